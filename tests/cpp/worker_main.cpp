@@ -1,0 +1,143 @@
+// One rank of a multi-process test: `zeroshard_test_worker SCENARIO`, started by
+// spawnRanks() with the variables torchrun sets. Exit 0 when the scenario's checks hold;
+// otherwise print what differed and exit 1.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "zeroshard/communicator.h"
+#include "zeroshard/process_group.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <string>
+
+using zeroshard::CollectiveKind;
+using zeroshard::Communicator;
+
+namespace {
+
+void expectEqual(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  TORCH_CHECK(at::equal(actual, expected), what, ": got ", actual, " expected ", expected);
+}
+
+void expectCount(const Communicator& comm, CollectiveKind kind, int64_t calls, int64_t bytes) {
+  const auto& count = comm.stats()[kind];
+  TORCH_CHECK(count.calls == calls && count.bytes == bytes, zeroshard::collectiveName(kind), ": counted ",
+              count.calls, " calls and ", count.bytes, " bytes, expected ", calls, " and ", bytes);
+}
+
+// Values and byte counts of every collective, blocking and overlapped.
+void collectives(Communicator& comm) {
+  const int r = comm.rank();
+  const int w = comm.worldSize();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+
+  // all-gather of a 3-element float shard and of a 1-element double shard, both in flight.
+  auto flat = at::empty({3 * w}, f32);
+  auto flat64 = at::empty({w}, at::kDouble);
+  auto first = comm.allGather(at::full({3}, r + 1.0, f32), flat);
+  auto second = comm.allGather(at::full({1}, r * 0.5, at::kDouble), flat64);
+  second.wait();
+  first.wait();
+  expectEqual(flat, at::arange(1, w + 1, f32).repeat_interleave(3), "all_gather float32");
+  expectEqual(flat64, at::arange(w, at::kDouble) * 0.5, "all_gather float64");
+  expectCount(comm, CollectiveKind::kAllGather, 2, 3 * w * 4 + w * 8);
+
+  // reduce-scatter: sum, then mean through explicit scaling.
+  auto input = at::arange(4 * w, f32) + r;
+  auto shard = at::empty({4}, f32);
+  comm.reduceScatter(input, shard).wait();
+  auto expectedSum = at::arange(4 * r, 4 * r + 4, f32) * w + w * (w - 1) / 2.0;
+  expectEqual(shard, expectedSum, "reduce_scatter sum");
+  comm.reduceScatter(input, shard, 1.0 / w).wait();
+  TORCH_CHECK(at::allclose(shard, expectedSum / w), "reduce_scatter mean: got ", shard);
+  expectCount(comm, CollectiveKind::kReduceScatter, 2, 2 * 4 * w * 4);
+
+  // all-reduce and broadcast, in place.
+  auto t = at::full({5}, static_cast<double>(r), f32);
+  comm.allReduce(t).wait();
+  expectEqual(t, at::full({5}, w * (w - 1) / 2.0, f32), "all_reduce");
+  auto b = at::full({6}, static_cast<double>(r), f32);
+  comm.broadcast(b, w - 1).wait();
+  expectEqual(b, at::full({6}, w - 1.0, f32), "broadcast");
+  expectCount(comm, CollectiveKind::kAllReduce, 1, 20);
+  expectCount(comm, CollectiveKind::kBroadcast, 1, 24);
+  const int64_t traffic = (3 * w * 4 + w * 8) + 2 * 4 * w * 4 + 2 * 20 + 24;
+  TORCH_CHECK(comm.stats().trafficBytes() == traffic, "traffic ", comm.stats().trafficBytes(), " != ", traffic);
+  comm.resetStats();
+  TORCH_CHECK(comm.stats().trafficBytes() == 0, "resetStats left bytes behind");
+
+  // A shape error is caught before anything is sent, on every rank alike.
+  bool threw = false;
+  try {
+    comm.allGather(at::zeros({2}, f32), at::empty({2 * w + 1}, f32));
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("flat buffer has") != std::string::npos;
+  }
+  TORCH_CHECK(threw, "a mis-sized all_gather was not rejected");
+  TORCH_CHECK(comm.stats().trafficBytes() == 0, "a rejected collective was counted");
+}
+
+// The last rank exits at once; the others' all-reduce must fail with an error that names it.
+void deadPeer(Communicator& comm) {
+  if (comm.rank() == comm.worldSize() - 1) {
+    std::_Exit(0);
+  }
+  try {
+    comm.allReduce(at::ones({1024})).wait();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    TORCH_CHECK(what.find("all_reduce") != std::string::npos && what.find("rank") != std::string::npos,
+                "the error does not name the collective: ", what);
+    std::cout << "expected error: " << e.what_without_backtrace() << "\n";
+    return;
+  }
+  TORCH_CHECK(false, "all_reduce with a dead peer returned normally");
+}
+
+// The last rank stays alive but never joins: the others must time out, not hang.
+void stalledPeer(Communicator& comm) {
+  if (comm.rank() == comm.worldSize() - 1) {
+    ::pause();  // killed by the test once the others have exited
+  }
+  try {
+    comm.allReduce(at::ones({16})).wait();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(std::string(e.what()).find("all_reduce") != std::string::npos,
+                "the error does not name the collective: ", e.what());
+    std::cout << "expected error: " << e.what_without_backtrace() << "\n";
+    return;
+  }
+  TORCH_CHECK(false, "all_reduce with a stalled peer returned normally");
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  const std::map<std::string, std::pair<std::function<void(Communicator&)>, int>> scenarios = {
+      {"collectives", {collectives, 60000}},
+      {"dead_peer", {deadPeer, 60000}},
+      {"stalled_peer", {stalledPeer, 2000}},
+  };
+  if (argc != 2 || !scenarios.count(argv[1])) {
+    std::cerr << "usage: zeroshard_test_worker collectives|dead_peer|stalled_peer\n";
+    return 2;
+  }
+  try {
+    const auto& [run, timeoutMs] = scenarios.at(argv[1]);
+    // Joining the group is bounded by a longer timeout than the scenario's collectives.
+    Communicator comm(zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60)),
+                      std::chrono::milliseconds(timeoutMs));
+    run(comm);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << std::getenv("RANK") << " failed: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -29,7 +29,9 @@ py::object finish(CommHandle handle, bool asyncOp) {
   return py::none();
 }
 
-py::dict statsDict(const CommStats& stats) {
+} // namespace
+
+py::dict commStatsDict(const CommStats& stats) {
   py::dict out;
   for (int k = 0; k < kNumCollectiveKinds; ++k) {
     const auto kind = static_cast<CollectiveKind>(k);
@@ -39,7 +41,6 @@ py::dict statsDict(const CommStats& stats) {
   return out;
 }
 
-} // namespace
 
 void bindCommunicator(py::module_& m) {
   py::class_<CommHandle>(m, "CommHandle", "A collective in flight; wait() completes it.")
@@ -80,7 +81,7 @@ void bindCommunicator(py::module_& m) {
             return finish(c.broadcast(tensor, root), asyncOp);
           },
           "tensor"_a, "root"_a, py::kw_only(), "async_op"_a = false)
-      .def("stats", [](const Communicator& c) { return statsDict(c.stats()); })
+      .def("stats", [](const Communicator& c) { return commStatsDict(c.stats()); })
       .def("reset_stats", &Communicator::resetStats);
 }
 

@@ -5,4 +5,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "zeroshard C++ core (ZeRO sharding engine on LibTorch)";
   zeroshard::python::bindConfig(m);
   zeroshard::python::bindCommunicator(m);
+  zeroshard::python::bindEngine(m);
 }

@@ -7,6 +7,7 @@ a failure and every child is killed.
 """
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -15,7 +16,7 @@ from datetime import timedelta
 
 import multiprocessing as mp
 
-DEFAULT_TIMEOUT = 180.0
+DEFAULT_TIMEOUT = 90.0
 
 
 def _free_port():
@@ -29,15 +30,21 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results):
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank that hangs prints every thread's stack and exits, so the parent reports it.
+    faulthandler.dump_traceback_later(timeout + 30, exit=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle copies tensors by value; the queue's own pickler would share them
+        # through file descriptors that vanish when this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -80,7 +87,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, lingering_rank=Non
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
-            outcomes[rank] = payload
+            outcomes[rank] = pickle.loads(payload)
         finished = True
     finally:
         # Ranks that reported get time to leave the group; after a failure the others may be

@@ -1,0 +1,142 @@
+// Python view of zeroshard::Config: read-only, with attribute names that mirror the JSON keys so
+// that cfg.zero_optimization.stage reads like the file. All validation stays in C++.
+
+#include "bindings.h"
+
+#include <pybind11/stl.h>
+
+#include "zeroshard/config.h"
+
+namespace py = pybind11;
+
+namespace zeroshard::python {
+namespace {
+
+// DeepSpeed keys zeroshard ignores reach Python users as UserWarnings, once per config read.
+Config warned(Config config) {
+  for (const auto& message : config.warnings) {
+    if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 2) != 0) throw py::error_already_set();
+  }
+  return config;
+}
+
+Config fromDict(const py::object& dict) {
+  // allow_nan=False: NaN and infinity are not JSON; json.dumps then raises a ValueError naming
+  // them instead of writing text that the C++ parser would reject with a less clear message.
+  const auto text = py::module_::import("json").attr("dumps")(dict, py::arg("allow_nan") = false);
+  return Config::fromJsonString(text.cast<std::string>(), "<dict>");
+}
+
+py::dict batchSizes(const Config& config, int64_t worldSize) {
+  const BatchSizes sizes = config.batchSizes(worldSize);
+  py::dict result;
+  result["train_batch_size"] = sizes.train;
+  result["train_micro_batch_size_per_gpu"] = sizes.microPerRank;
+  result["gradient_accumulation_steps"] = sizes.accumulationSteps;
+  return result;
+}
+
+std::string repr(const Config& c) {
+  const char* precision = c.bf16.enabled ? "bf16" : c.fp16.enabled ? "fp16" : "fp32";
+  auto optional = [](const std::optional<int64_t>& v) {
+    return v ? std::to_string(*v) : std::string("None");
+  };
+  return "zeroshard.Config(source=" + py::repr(py::str(c.source)).cast<std::string>() +
+         ", stage=" + std::to_string(c.zero.stage) + ", precision='" + precision +
+         "', train_batch_size=" + optional(c.trainBatchSize) +
+         ", train_micro_batch_size_per_gpu=" + optional(c.trainMicroBatchSizePerGpu) +
+         ", gradient_accumulation_steps=" + optional(c.gradientAccumulationSteps) +
+         ", warnings=" + std::to_string(c.warnings.size()) + ")";
+}
+
+// The nested parts are returned by reference into their Config, which they keep alive.
+template <typename Part>
+auto part(Part Config::*member) {
+  return [member](const Config& c) -> const Part& { return c.*member; };
+}
+
+}  // namespace
+
+void bindConfig(py::module_& m) {
+  py::class_<Fp16Config>(m, "Fp16Config", "The \"fp16\" section (read-only).")
+      .def_readonly("enabled", &Fp16Config::enabled)
+      .def_readonly("loss_scale", &Fp16Config::lossScale, "0 means dynamic loss scaling.")
+      .def_readonly("initial_scale_power", &Fp16Config::initialScalePower)
+      .def_readonly("loss_scale_window", &Fp16Config::lossScaleWindow)
+      .def_readonly("hysteresis", &Fp16Config::hysteresis)
+      .def_readonly("min_loss_scale", &Fp16Config::minLossScale);
+
+  py::class_<Bf16Config>(m, "Bf16Config", "The \"bf16\" section (read-only).")
+      .def_readonly("enabled", &Bf16Config::enabled);
+
+  py::class_<OptimizerConfig>(m, "OptimizerConfig",
+                              "The \"optimizer\" section, params flattened (read-only).")
+      .def_readonly("type", &OptimizerConfig::type, "Always \"AdamW\" (\"Adam\" is read as AdamW).")
+      .def_readonly("lr", &OptimizerConfig::lr)
+      .def_property_readonly(
+          "betas", [](const OptimizerConfig& o) { return py::make_tuple(o.beta1, o.beta2); })
+      .def_readonly("eps", &OptimizerConfig::eps)
+      .def_readonly("weight_decay", &OptimizerConfig::weightDecay);
+
+  py::class_<ZeroConfig>(m, "ZeroConfig", "The \"zero_optimization\" section (read-only).")
+      .def_readonly("stage", &ZeroConfig::stage)
+      .def_readonly("reduce_bucket_size", &ZeroConfig::reduceBucketSize)
+      .def_readonly("allgather_bucket_size", &ZeroConfig::allgatherBucketSize)
+      .def_property_readonly("overlap_comm", &ZeroConfig::overlapCommResolved,
+                             "Resolved: when not set, true at stage 3 and false below.")
+      .def_readonly("contiguous_gradients", &ZeroConfig::contiguousGradients)
+      .def_readonly("stage3_prefetch_bucket_size", &ZeroConfig::stage3PrefetchBucketSize)
+      .def_readonly("stage3_param_persistence_threshold",
+                    &ZeroConfig::stage3ParamPersistenceThreshold)
+      .def_readonly("stage3_max_live_parameters", &ZeroConfig::stage3MaxLiveParameters);
+
+  py::class_<ZeroshardExtras>(m, "ZeroshardExtras", "The \"zeroshard\" section (read-only).")
+      .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds);
+
+  const auto internal = py::return_value_policy::reference_internal;
+  py::class_<Config>(m, "Config",
+                     "A validated DeepSpeed-style config (read-only). Build one with from_file, "
+                     "from_json or from_dict; errors raise ValueError naming the key path.")
+      .def_static("from_file", [](const std::string& path) { return warned(Config::fromFile(path)); },
+                  py::arg("path"))
+      .def_static("from_json", [](const std::string& text) { return warned(Config::fromJsonString(text)); },
+                  py::arg("text"))
+      .def_static("from_dict", [](const py::object& d) { return warned(fromDict(d)); }, py::arg("d"))
+      .def_readonly("source", &Config::source)
+      .def_readonly("train_batch_size", &Config::trainBatchSize, "None when not set.")
+      .def_readonly("train_micro_batch_size_per_gpu", &Config::trainMicroBatchSizePerGpu,
+                    "None when not set.")
+      .def_readonly("gradient_accumulation_steps", &Config::gradientAccumulationSteps,
+                    "None when not set.")
+      .def_readonly("gradient_clipping", &Config::gradientClipping, "0 means no clipping.")
+      .def_property_readonly("stage", [](const Config& c) { return c.zero.stage; })
+      .def_property_readonly("bf16_enabled", [](const Config& c) { return c.bf16.enabled; })
+      .def_property_readonly("fp16_enabled", [](const Config& c) { return c.fp16.enabled; })
+      .def_property_readonly("fp16", part(&Config::fp16), internal)
+      .def_property_readonly("bf16", part(&Config::bf16), internal)
+      .def_property_readonly("optimizer", part(&Config::optimizer), internal)
+      .def_property_readonly("zero_optimization", part(&Config::zero), internal)
+      .def_property_readonly("zeroshard", part(&Config::extras), internal)
+      .def_readonly("warnings", &Config::warnings,
+                    "One message per DeepSpeed key that zeroshard ignores.")
+      .def("batch_sizes", &batchSizes, py::arg("world_size"),
+           "The three batch sizes resolved for world_size ranks, by DeepSpeed's rules.")
+      .def("to_json", &Config::toJsonString)
+      .def("to_dict",
+           [](const Config& c) {
+             return py::module_::import("json").attr("loads")(c.toJsonString());
+           })
+      .def("__repr__", &repr)
+      // Pickling keeps the source and warnings, so that a Config sent to spawned ranks is the
+      // same Config.
+      .def(py::pickle(
+          [](const Config& c) { return py::make_tuple(c.toJsonString(), c.source, c.warnings); },
+          [](const py::tuple& state) {
+            Config c = Config::fromJsonString(state[0].cast<std::string>(),
+                                              state[1].cast<std::string>());
+            c.warnings = state[2].cast<std::vector<std::string>>();
+            return c;
+          }));
+}
+
+}  // namespace zeroshard::python

@@ -1,0 +1,74 @@
+#include "bindings.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include "zeroshard/engine.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace zeroshard::python {
+namespace {
+
+// groups: [{"names": [str], "params": [Tensor], optional "lr", "weight_decay", "betas", "eps"}]
+std::vector<ParamGroupSpec> groupSpecs(const py::list& groups) {
+  std::vector<ParamGroupSpec> specs;
+  for (const auto& item : groups) {
+    const auto group = item.cast<py::dict>();
+    ParamGroupSpec spec;
+    spec.names = group["names"].cast<std::vector<std::string>>();
+    spec.params = group["params"].cast<std::vector<at::Tensor>>();
+    if (group.contains("lr")) spec.lr = group["lr"].cast<double>();
+    if (group.contains("weight_decay")) spec.weightDecay = group["weight_decay"].cast<double>();
+    if (group.contains("eps")) spec.eps = group["eps"].cast<double>();
+    if (group.contains("betas")) {
+      const auto betas = group["betas"].cast<std::pair<double, double>>();
+      spec.beta1 = betas.first;
+      spec.beta2 = betas.second;
+    }
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+} // namespace
+
+void bindEngine(py::module_& m) {
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config) {
+             auto specs = groupSpecs(groups);
+             auto processGroup = c10d::resolve_process_group(groupName);
+             // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
+             // the last reference to a Python-owned tensor, so it must not be held here.
+             py::gil_scoped_release noGil;
+             return std::make_unique<Engine>(std::move(specs), std::move(processGroup), config);
+           }),
+           "param_groups"_a, "group_name"_a, "config"_a)
+      .def("backward", &Engine::backward, "loss"_a, py::call_guard<py::gil_scoped_release>())
+      .def("step", &Engine::step, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("stage", &Engine::stage)
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world_size", &Engine::worldSize)
+      .def_property_readonly("micro_steps", &Engine::microSteps)
+      .def_property_readonly("global_steps", &Engine::globalSteps)
+      .def_property_readonly("is_gradient_accumulation_boundary", &Engine::isAccumulationBoundary)
+      .def_property_readonly("gradient_accumulation_steps",
+                             [](const Engine& e) { return e.batchSizes().accumulationSteps; })
+      .def_property_readonly("train_batch_size", [](const Engine& e) { return e.batchSizes().train; })
+      .def_property_readonly("train_micro_batch_size_per_gpu",
+                             [](const Engine& e) { return e.batchSizes().microPerRank; })
+      .def_property_readonly("last_grad_norm", &Engine::lastGradNorm)
+      .def("memory_stats",
+           [](const Engine& e) {
+             const auto s = e.memoryStats();
+             return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
+                             "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes());
+           })
+      .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
+      .def("named_parameters", &Engine::namedParameters)
+      .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
+      .def("get_lr", &Engine::learningRate, "group"_a = 0);
+}
+
+} // namespace zeroshard::python

@@ -1,0 +1,86 @@
+#include "zeroshard/bucket.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace zeroshard {
+namespace {
+
+FlatLayout layoutOf(const std::vector<at::Tensor>& params, std::vector<std::string> names, int worldSize) {
+  TORCH_CHECK(params.size() == names.size(), "zeroshard::Bucket: ", params.size(), " parameters but ",
+              names.size(), " names");
+  std::vector<ParamPlacement> placements;
+  for (size_t i = 0; i < params.size(); ++i) {
+    placements.push_back({std::move(names[i]), params[i].sizes().vec(), 0, 0});
+  }
+  return FlatLayout(std::move(placements), worldSize);
+}
+
+} // namespace
+
+Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, int paramGroup, int rank,
+               int worldSize)
+    : layout_(layoutOf(params, std::move(names), worldSize)),
+      paramGroup_(paramGroup),
+      rank_(rank),
+      params_(std::move(params)) {
+  TORCH_CHECK(!params_.empty(), "zeroshard::Bucket: no parameters");
+  const auto options = params_.front().options();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    TORCH_CHECK(p.options().dtype() == options.dtype() && p.device() == options.device(),
+                "zeroshard: parameter '", layout_.params()[i].name, "' is ", p.scalar_type(), " on ", p.device(),
+                " but '", layout_.params()[0].name, "' is ", options.dtype(), " on ", options.device(),
+                "; all parameters of a param group must share dtype and device");
+  }
+  flatParams_ = at::zeros({layout_.paddedNumel()}, options.requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& place = layout_.params()[i];
+    auto view = flatParams_.narrow(0, place.offset, place.numel).view(place.shape);
+    view.copy_(params_[i].detach());
+    // set_data keeps the Parameter object (and its autograd identity) while its storage
+    // becomes part of the flat buffer.
+    params_[i].set_data(view);
+  }
+}
+
+at::Tensor Bucket::paramShard() const {
+  const auto range = layout_.shardRange(rank_);
+  return flatParams_.narrow(0, range.begin, range.numel());
+}
+
+void Bucket::allocateFlatGrads() {
+  flatGrads_ = at::zeros({layout_.paddedNumel()}, flatParams_.options());
+  attachGradViews();
+}
+
+at::Tensor Bucket::flatGradShard() const {
+  const auto range = layout_.shardRange(rank_);
+  return flatGrads_.narrow(0, range.begin, range.numel());
+}
+
+void Bucket::attachGradViews() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& place = layout_.params()[i];
+    auto view = flatGrads_.narrow(0, place.offset, place.numel).view(place.shape);
+    auto& grad = params_[i].mutable_grad();
+    if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
+    if (grad.defined()) view.copy_(grad);  // keep what the user accumulated elsewhere
+    grad = view;
+  }
+}
+
+void Bucket::allocateGradShard() {
+  gradShard_ = at::zeros({layout_.shardNumel()}, flatParams_.options().dtype(at::kFloat));
+}
+
+void Bucket::copyGradsInto(const at::Tensor& flat, size_t param) const {
+  const auto& place = layout_.params()[param];
+  const auto& grad = params_[param].grad();
+  auto view = flat.narrow(0, place.offset, place.numel);
+  if (grad.defined()) {
+    view.copy_(grad.reshape({-1}));
+  }
+}
+
+} // namespace zeroshard

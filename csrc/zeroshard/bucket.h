@@ -1,0 +1,61 @@
+// A run of one param group's parameters that share one FlatLayout: the unit that stages 0-2
+// reduce gradients and all-gather parameters for, one collective per bucket.
+//
+// On construction the parameters' data moves into one padded flat buffer and every parameter
+// becomes a view of it: the Parameter objects the model holds keep their identity.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/flat_layout.h"
+
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+class Bucket {
+ public:
+  Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, int paramGroup, int rank,
+         int worldSize);
+
+  const FlatLayout& layout() const { return layout_; }
+  int paramGroup() const { return paramGroup_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  size_t size() const { return params_.size(); }
+
+  // The full flat parameters (padded), and this rank's slice of them.
+  const at::Tensor& flatParams() const { return flatParams_; }
+  at::Tensor paramShard() const;
+
+  // Stages 0 and 1 keep full gradients: one flat buffer whose views are the params' .grad,
+  // so autograd accumulates straight into it.
+  void allocateFlatGrads();
+  const at::Tensor& flatGrads() const { return flatGrads_; }
+  at::Tensor flatGradShard() const;
+  // Points every param's .grad back at its view (after a user set .grad to None).
+  void attachGradViews();
+
+  // Stage 2 keeps only this rank's fp32 gradient shard, accumulated across micro-batches.
+  void allocateGradShard();
+  const at::Tensor& gradShard() const { return gradShard_; }
+
+  // Stage 2: a full-size buffer the params' gradients are copied into as they become final,
+  // reduce-scattered, then released.
+  at::Tensor& staging() { return staging_; }
+
+  // Copies each parameter's current .grad into `flat` at its place (zeros elsewhere).
+  void copyGradsInto(const at::Tensor& flat, size_t param) const;
+
+ private:
+  FlatLayout layout_;
+  int paramGroup_;
+  int rank_;
+  std::vector<at::Tensor> params_;
+  at::Tensor flatParams_;
+  at::Tensor flatGrads_;
+  at::Tensor gradShard_;
+  at::Tensor staging_;
+};
+
+} // namespace zeroshard

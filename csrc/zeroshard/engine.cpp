@@ -1,0 +1,226 @@
+#include "zeroshard/engine.h"
+
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "zeroshard/grad_reducer.h"
+
+#include <chrono>
+#include <cmath>
+#include <unordered_set>
+
+namespace zeroshard {
+namespace {
+
+std::chrono::milliseconds timeoutOf(const Config& config) {
+  return std::chrono::milliseconds(static_cast<int64_t>(config.extras.collectiveTimeoutSeconds * 1000.0));
+}
+
+AdamWHyper hyperOf(const Config& config, const ParamGroupSpec& group) {
+  const auto& o = config.optimizer;
+  return AdamWHyper{group.lr.value_or(o.lr), group.beta1.value_or(o.beta1), group.beta2.value_or(o.beta2),
+                    group.eps.value_or(o.eps), group.weightDecay.value_or(o.weightDecay)};
+}
+
+void checkParams(const std::vector<ParamGroupSpec>& groups) {
+  std::unordered_set<const void*> seen;
+  size_t trainable = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& group = groups[g];
+    TORCH_CHECK(group.names.size() == group.params.size(), "zeroshard: param group ", g, " has ",
+                group.params.size(), " parameters but ", group.names.size(), " names");
+    for (size_t i = 0; i < group.params.size(); ++i) {
+      const auto& p = group.params[i];
+      const auto& name = group.names[i];
+      TORCH_CHECK(p.defined(), "zeroshard: parameter '", name, "' is undefined");
+      TORCH_CHECK(p.is_leaf() && p.requires_grad(), "zeroshard: parameter '", name,
+                  "' must be a leaf tensor that requires grad (frozen parameters stay outside the engine)");
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "zeroshard: parameter '", name, "' is ", p.scalar_type(),
+                  "; keep the model in float32 (bf16/fp16 compute comes from the config's bf16/fp16 keys)");
+      TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "zeroshard: parameter '", name,
+                  "' appears twice (in two param groups, or under two names)");
+      ++trainable;
+    }
+  }
+  TORCH_CHECK(trainable > 0, "zeroshard: the model has no trainable parameters (none requires grad), "
+                             "so there is nothing to shard or optimize");
+}
+
+} // namespace
+
+Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
+               Config config)
+    : config_(std::move(config)), comm_(std::move(processGroup), timeoutOf(config_)) {
+  TORCH_CHECK(config_.zero.stage <= 2, "zeroshard: zero_optimization.stage ", config_.zero.stage,
+              " is not available in this version of the engine; use stage 0, 1 or 2");
+  TORCH_CHECK(!config_.bf16.enabled && !config_.fp16.enabled,
+              "zeroshard: bf16/fp16 mixed precision is not available in this version of the engine; "
+              "set bf16.enabled and fp16.enabled to false");
+  batchSizes_ = config_.batchSizes(comm_.worldSize());
+  checkParams(groups);
+  buildBuckets(groups);
+
+  // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
+  std::vector<CommHandle> handles;
+  for (auto& b : buckets_) handles.push_back(comm_.broadcast(b.flatParams(), 0));
+  for (auto& h : handles) h.wait();
+
+  for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
+  for (auto& b : buckets_) {
+    switch (stage()) {
+      case 0:
+        b.allocateFlatGrads();
+        optimizer_.addShard(b.paramGroup(), b.flatParams(), b.flatGrads());
+        break;
+      case 1:
+        b.allocateFlatGrads();
+        optimizer_.addShard(b.paramGroup(), b.paramShard(), b.flatGradShard());
+        break;
+      default:
+        b.allocateGradShard();
+        optimizer_.addShard(b.paramGroup(), b.paramShard(), b.gradShard());
+    }
+  }
+  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage());
+  comm_.resetStats();
+}
+
+Engine::~Engine() = default;
+
+void Engine::buildBuckets(std::vector<ParamGroupSpec>& groups) {
+  // Buckets fill in reverse parameter order, the order backward usually produces gradients.
+  const int64_t capacity = config_.zero.reduceBucketSize;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& group = groups[g];
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    int64_t filled = 0;
+    auto flush = [&]() {
+      if (params.empty()) return;
+      std::reverse(params.begin(), params.end());
+      std::reverse(names.begin(), names.end());
+      buckets_.emplace_back(std::move(params), std::move(names), static_cast<int>(g), comm_.rank(),
+                            comm_.worldSize());
+      params.clear();
+      names.clear();
+      filled = 0;
+    };
+    for (size_t i = group.params.size(); i-- > 0;) {
+      params.push_back(group.params[i]);
+      names.push_back(group.names[i]);
+      filled += group.params[i].numel();
+      if (filled >= capacity) flush();
+    }
+    flush();
+  }
+}
+
+bool Engine::isAccumulationBoundary() const {
+  return (microSteps_ + 1) % batchSizes_.accumulationSteps == 0;
+}
+
+void Engine::backward(const at::Tensor& loss) {
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, "zeroshard: engine.backward() needs a scalar loss, got ",
+              loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(!backwardSinceStep_, "zeroshard: engine.backward() called twice without engine.step() between; "
+                                   "call engine.step() after every backward, as with DeepSpeed");
+  const int64_t accumulation = batchSizes_.accumulationSteps;
+  reducer_->beginBackward(isAccumulationBoundary());
+  try {
+    const at::Tensor scaled = accumulation > 1 ? loss / static_cast<double>(accumulation) : loss;
+    torch::autograd::backward({scaled});
+  } catch (...) {
+    reducer_->abortBackward();
+    throw;
+  }
+  reducer_->finishBackward();
+  backwardSinceStep_ = true;
+}
+
+bool Engine::step() {
+  TORCH_CHECK(backwardSinceStep_, "zeroshard: engine.step() called without engine.backward() since the last "
+                                  "step; call engine.backward(loss) after each forward, then engine.step()");
+  backwardSinceStep_ = false;
+  ++microSteps_;
+  if (microSteps_ % batchSizes_.accumulationSteps != 0) {
+    return false;
+  }
+  clipGradients();
+  optimizer_.step();
+  gatherParams();
+  zeroGrads();
+  lastStepStats_ = comm_.stats();
+  comm_.resetStats();
+  return true;
+}
+
+void Engine::clipGradients() {
+  const double maxNorm = config_.gradientClipping;
+  if (maxNorm <= 0) return;
+  double squares = optimizer_.localGradSquareSum();
+  if (stage() > 0) {
+    // Each rank holds a disjoint shard of the reduced gradients.
+    auto total = at::full({1}, squares, at::TensorOptions().dtype(at::kDouble).device(buckets_.front().flatParams().device()));
+    comm_.allReduce(total).wait();
+    squares = total.item<double>();
+  }
+  lastGradNorm_ = std::sqrt(squares);
+  const double coef = maxNorm / (lastGradNorm_ + 1e-6);
+  if (coef < 1.0) optimizer_.scaleGrads(coef);
+}
+
+void Engine::gatherParams() {
+  if (stage() == 0) return;
+  std::vector<CommHandle> handles;
+  for (auto& b : buckets_) handles.push_back(comm_.allGather(b.paramShard(), b.flatParams()));
+  for (auto& h : handles) h.wait();
+}
+
+void Engine::zeroGrads() {
+  for (auto& b : buckets_) {
+    if (stage() < 2) {
+      b.flatGrads().zero_();
+    } else {
+      b.gradShard().zero_();
+    }
+  }
+  if (stage() == 2) reducer_->markShardsEmpty();
+}
+
+MemoryStats Engine::memoryStats() const {
+  MemoryStats stats;
+  for (const auto& b : buckets_) {
+    stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
+    stats.gradBytes += static_cast<int64_t>(stage() < 2 ? b.flatGrads().nbytes() : b.gradShard().nbytes());
+  }
+  // fp32 training: the master weights are the parameters' own storage, not a copy.
+  stats.optimizerBytes = optimizer_.stateBytes();
+  return stats;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : buckets_) {
+    for (size_t i = 0; i < b.size(); ++i) out.emplace_back(b.layout().params()[i].name, b.params()[i]);
+  }
+  return out;
+}
+
+void Engine::setLearningRate(double lr, int group) {
+  TORCH_CHECK(lr >= 0, "zeroshard: learning rate must be >= 0, got ", lr);
+  TORCH_CHECK(group >= -1 && group < optimizer_.numGroups(), "zeroshard: param group ", group,
+              " does not exist (", optimizer_.numGroups(), " groups)");
+  for (int g = 0; g < optimizer_.numGroups(); ++g) {
+    if (group == -1 || group == g) optimizer_.hyper(g).lr = lr;
+  }
+}
+
+double Engine::learningRate(int group) {
+  TORCH_CHECK(group >= 0 && group < optimizer_.numGroups(), "zeroshard: param group ", group,
+              " does not exist (", optimizer_.numGroups(), " groups)");
+  return optimizer_.hyper(group).lr;
+}
+
+} // namespace zeroshard

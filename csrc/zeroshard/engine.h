@@ -1,0 +1,108 @@
+// The engine: owns the flat buffers, the sharded optimizer and the gradient reduction for one
+// model, and drives a training step the way DeepSpeed's engine does:
+//
+//   for each micro-batch:  loss = model(x); engine.backward(loss); engine.step();
+//
+// backward() divides the loss by gradient_accumulation_steps; step() is called after every
+// backward and runs the optimizer (then zeroes the gradients) only at the accumulation boundary.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "zeroshard/bucket.h"
+#include "zeroshard/communicator.h"
+#include "zeroshard/config.h"
+#include "zeroshard/optimizer.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+} // namespace c10d
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+
+namespace zeroshard {
+
+class GradReducer;
+
+// One optimizer param group: its parameters (leaf tensors that require grad) with their names,
+// and hyper-parameters that override the config's optimizer.params.
+struct ParamGroupSpec {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::optional<double> lr, weightDecay, beta1, beta2, eps;
+};
+
+// Bytes of model state this rank holds (padding included): compute-dtype parameters,
+// gradients (full or sharded, by stage) and optimizer state (exp_avg, exp_avg_sq, and the fp32
+// master weights where they are a separate copy).
+struct MemoryStats {
+  int64_t paramBytes = 0;
+  int64_t gradBytes = 0;
+  int64_t optimizerBytes = 0;
+  int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
+};
+
+class Engine {
+ public:
+  Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
+         Config config);
+  // Every trainable parameter of `model` in one group (defined in engine_module.cpp).
+  Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Backpropagates loss / gradient_accumulation_steps; gradients are reduced as buckets become
+  // ready. Blocks until this backward's reductions are done.
+  void backward(const at::Tensor& loss);
+  // Returns true when this call ended an accumulation window and the optimizer stepped.
+  bool step();
+
+  const Config& config() const { return config_; }
+  const BatchSizes& batchSizes() const { return batchSizes_; }
+  int stage() const { return static_cast<int>(config_.zero.stage); }
+  int rank() const { return comm_.rank(); }
+  int worldSize() const { return comm_.worldSize(); }
+  int64_t microSteps() const { return microSteps_; }
+  int64_t globalSteps() const { return optimizer_.stepCount(); }
+  bool isAccumulationBoundary() const;
+  // The global gradient norm before clipping, from the last optimizer step (0 before any).
+  double lastGradNorm() const { return lastGradNorm_; }
+
+  MemoryStats memoryStats() const;
+  // Collectives of the last completed optimizer step (all its micro-batches), by kind.
+  const CommStats& commStats() const { return lastStepStats_; }
+  // Every trained parameter, by its original name (full tensors; stages 0-2 keep them whole).
+  std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;
+
+  // Sets lr of one param group, or of all with group = -1 (for schedulers).
+  void setLearningRate(double lr, int group = -1);
+  double learningRate(int group = 0);
+
+ private:
+  void buildBuckets(std::vector<ParamGroupSpec>& groups);
+  void clipGradients();
+  void gatherParams();
+  void zeroGrads();
+
+  Config config_;
+  Communicator comm_;
+  BatchSizes batchSizes_;
+  std::vector<Bucket> buckets_;
+  ShardedAdamW optimizer_;
+  std::unique_ptr<GradReducer> reducer_;
+  int64_t microSteps_ = 0;
+  bool backwardSinceStep_ = false;
+  double lastGradNorm_ = 0;
+  CommStats lastStepStats_;
+};
+
+} // namespace zeroshard

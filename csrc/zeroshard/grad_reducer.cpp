@@ -1,0 +1,181 @@
+#include "zeroshard/grad_reducer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace zeroshard {
+
+namespace {
+
+// Runs after AccumulateGrad has written the parameter's .grad for this backward.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(GradReducer* reducer, size_t bucket, size_t param)
+      : reducer_(reducer), bucket_(bucket), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    reducer_->onGradReady(bucket_, param_);
+    return outputs;
+  }
+
+ private:
+  GradReducer* reducer_;
+  size_t bucket_;
+  size_t param_;
+};
+
+using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+} // namespace
+
+// The accumulator must be kept alive: a parameter only holds it weakly, and a new one (without
+// our hook) would be created on the next forward otherwise.
+struct GradReducer::HookHandle {
+  AccumulatorPtr accumulator;
+  uintptr_t key;
+};
+
+GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage)
+    : buckets_(buckets), comm_(comm), stage_(stage) {
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 2, "zeroshard::GradReducer handles stages 0-2, got ", stage_);
+  for (const auto& b : buckets_) {
+    ready_.emplace_back(b.size(), 0);
+  }
+  readyCount_.assign(buckets_.size(), 0);
+  launched_.assign(buckets_.size(), 0);
+  shardHasData_.assign(buckets_.size(), 0);
+  registerHooks();
+}
+
+GradReducer::~GradReducer() {
+  removeHooks();
+}
+
+void GradReducer::registerHooks() {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (size_t i = 0; i < buckets_[b].size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(buckets_[b].params()[i]);
+      TORCH_CHECK(accumulator, "zeroshard: parameter '", buckets_[b].layout().params()[i].name,
+                  "' has no gradient accumulator (is it a leaf that requires grad?)");
+      auto key = accumulator->add_post_hook(std::make_unique<GradReadyHook>(this, b, i));
+      hooks_.push_back(std::make_unique<HookHandle>(HookHandle{std::move(accumulator), key}));
+    }
+  }
+}
+
+void GradReducer::removeHooks() {
+  for (auto& h : hooks_) {
+    h->accumulator->del_post_hook(h->key);
+  }
+  hooks_.clear();
+}
+
+bool GradReducer::reducesThisBackward() const {
+  return stage_ == 2 || boundary_;
+}
+
+void GradReducer::markShardsEmpty() {
+  shardHasData_.assign(buckets_.size(), 0);
+}
+
+void GradReducer::beginBackward(bool boundary) {
+  TORCH_CHECK(!inBackward_, "zeroshard: backward() started while the previous one is unfinished");
+  inBackward_ = true;
+  boundary_ = boundary;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::fill(ready_[b].begin(), ready_[b].end(), 0);
+    readyCount_[b] = 0;
+    launched_[b] = 0;
+    if (stage_ < 2) buckets_[b].attachGradViews();
+  }
+}
+
+void GradReducer::onGradReady(size_t bucket, size_t param) {
+  auto& b = buckets_[bucket];
+  TORCH_CHECK(inBackward_, "zeroshard: a gradient for '", b.layout().params()[param].name,
+              "' arrived outside engine.backward(); call engine.backward(loss) instead of loss.backward()");
+  if (ready_[bucket][param]) {
+    TORCH_CHECK(stage_ < 2, "zeroshard: parameter '", b.layout().params()[param].name,
+                "' received a second gradient in one backward; at stage 2 each parameter's gradient is "
+                "reduced as soon as it is final");
+    return;
+  }
+  ready_[bucket][param] = 1;
+  ++readyCount_[bucket];
+  if (stage_ == 2) {
+    // Copy the final gradient into the bucket's staging buffer and free it right away.
+    if (!b.staging().defined()) {
+      b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
+    }
+    b.copyGradsInto(b.staging(), param);
+    b.params()[param].mutable_grad() = at::Tensor();
+  }
+  if (readyCount_[bucket] == b.size() && reducesThisBackward()) {
+    launch(bucket);
+  }
+}
+
+void GradReducer::launch(size_t bucket) {
+  auto& b = buckets_[bucket];
+  launched_[bucket] = 1;
+  const double mean = 1.0 / comm_.worldSize();
+  if (stage_ == 0) {
+    inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
+  } else if (stage_ == 1) {
+    inFlight_.push_back({comm_.reduceScatter(b.flatGrads(), b.flatGradShard(), mean), {}});
+  } else {
+    if (!b.staging().defined()) {
+      b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
+    }
+    at::Tensor staging = std::move(b.staging());
+    b.staging() = at::Tensor();
+    const at::Tensor& shard = b.gradShard();
+    if (!shardHasData_[bucket] && staging.scalar_type() == shard.scalar_type()) {
+      // First micro-batch of the window: reduce straight into the shard.
+      inFlight_.push_back({comm_.reduceScatter(staging, shard, mean), [staging]() {}});
+    } else {
+      auto partial = at::empty({b.layout().shardNumel()}, staging.options());
+      inFlight_.push_back({comm_.reduceScatter(staging, partial, mean),
+                           [staging, partial, shard]() mutable { shard.add_(partial); }});
+    }
+    shardHasData_[bucket] = 1;
+  }
+}
+
+void GradReducer::finishBackward() {
+  TORCH_CHECK(inBackward_, "zeroshard: finishBackward without beginBackward");
+  if (reducesThisBackward()) {
+    // Buckets some of whose parameters got no gradient in this backward: same order on all ranks.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (!launched_[b]) launch(b);
+    }
+  }
+  // Waiting in launch order; each completion releases its staging buffer.
+  auto inFlight = std::move(inFlight_);
+  inFlight_.clear();
+  inBackward_ = false;
+  for (auto& f : inFlight) {
+    f.handle.wait();
+    if (f.then) f.then();
+    f.then = nullptr;
+  }
+}
+
+void GradReducer::abortBackward() {
+  auto inFlight = std::move(inFlight_);
+  inFlight_.clear();
+  inBackward_ = false;
+  for (auto& f : inFlight) {
+    try {
+      f.handle.wait();
+    } catch (const std::exception&) {
+      // The autograd error is the one to report.
+    }
+  }
+}
+
+} // namespace zeroshard

@@ -1,0 +1,70 @@
+// Gradient reduction for stages 0, 1 and 2, driven by autograd.
+//
+// A post-hook on each parameter's gradient accumulator reports when its gradient is final for
+// this backward. When every parameter of a bucket has reported, the bucket's collective starts
+// at once (asynchronously) and overlaps the rest of backward:
+//   stage 0: all-reduce of the full flat gradients, at the accumulation boundary;
+//   stage 1: reduce-scatter of the full flat gradients into this rank's slice, at the boundary;
+//   stage 2: every micro-batch, the bucket's gradients are copied into a full-size staging
+//            buffer, reduce-scattered, added to the fp32 gradient shard, and the staging
+//            buffer is released.
+// finishBackward() starts the buckets some of whose parameters got no gradient (in bucket
+// order, identical on every rank) and waits for everything in flight.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/bucket.h"
+#include "zeroshard/communicator.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace zeroshard {
+
+class GradReducer {
+ public:
+  GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage);
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // `boundary`: this backward ends an accumulation window (stages 0 and 1 reduce only then).
+  void beginBackward(bool boundary);
+  // Blocks until every bucket's reduction of this backward has completed.
+  void finishBackward();
+  // After autograd failed: waits for what is in flight, starts nothing new.
+  void abortBackward();
+  // Stage 2: the gradient shards hold nothing yet (after the optimizer step zeroed them).
+  void markShardsEmpty();
+
+  // Called from the autograd hook of parameter `param` of bucket `bucket`.
+  void onGradReady(size_t bucket, size_t param);
+
+ private:
+  struct InFlight {
+    CommHandle handle;
+    std::function<void()> then;
+  };
+  bool reducesThisBackward() const;
+  void launch(size_t bucket);
+  void registerHooks();
+  void removeHooks();
+
+  std::vector<Bucket>& buckets_;
+  Communicator& comm_;
+  int stage_;
+  bool inBackward_ = false;
+  bool boundary_ = false;
+  std::vector<std::vector<char>> ready_;
+  std::vector<size_t> readyCount_;
+  std::vector<char> launched_;
+  std::vector<char> shardHasData_;
+  std::vector<InFlight> inFlight_;
+  struct HookHandle;
+  std::vector<std::unique_ptr<HookHandle>> hooks_;
+};
+
+} // namespace zeroshard

@@ -1,0 +1,70 @@
+#include "zeroshard/optimizer.h"
+
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+namespace zeroshard {
+
+int ShardedAdamW::addGroup(const AdamWHyper& hyper) {
+  TORCH_CHECK(hyper.lr >= 0, "zeroshard AdamW: lr must be >= 0, got ", hyper.lr);
+  TORCH_CHECK(hyper.eps > 0, "zeroshard AdamW: eps must be > 0, got ", hyper.eps);
+  TORCH_CHECK(hyper.beta1 >= 0 && hyper.beta1 < 1 && hyper.beta2 >= 0 && hyper.beta2 < 1,
+              "zeroshard AdamW: betas must be in [0, 1), got (", hyper.beta1, ", ", hyper.beta2, ")");
+  TORCH_CHECK(hyper.weightDecay >= 0, "zeroshard AdamW: weight_decay must be >= 0, got ", hyper.weightDecay);
+  groups_.push_back(Group{hyper, {}, {}, {}, {}, {}});
+  return static_cast<int>(groups_.size()) - 1;
+}
+
+void ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tensor& grad) {
+  TORCH_CHECK(master.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
+              "zeroshard AdamW: master weights and gradients must be float32");
+  TORCH_CHECK(master.sizes() == grad.sizes(), "zeroshard AdamW: master and gradient shards differ in size");
+  auto& g = groups_.at(group);
+  g.masters.push_back(master);
+  g.grads.push_back(grad);
+  g.expAvgs.push_back(at::zeros_like(master));
+  g.expAvgSqs.push_back(at::zeros_like(master));
+  g.steps.push_back(at::zeros({}, master.options()));
+}
+
+double ShardedAdamW::localGradSquareSum() const {
+  double sum = 0;
+  for (const auto& g : groups_) {
+    for (const auto& grad : g.grads) {
+      sum += grad.to(at::kDouble).square().sum().item<double>();
+    }
+  }
+  return sum;
+}
+
+void ShardedAdamW::scaleGrads(double factor) {
+  for (auto& g : groups_) {
+    for (auto& grad : g.grads) grad.mul_(factor);
+  }
+}
+
+void ShardedAdamW::step() {
+  ++steps_;
+  for (auto& g : groups_) {
+    if (g.masters.empty()) continue;
+    // The fused kernel reads the step it is given; torch.optim increments it first too.
+    for (auto& s : g.steps) s.add_(1);
+    at::_fused_adamw_(g.masters, g.grads, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, g.hyper.lr,
+                      g.hyper.beta1, g.hyper.beta2, g.hyper.weightDecay, g.hyper.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
+  }
+}
+
+int64_t ShardedAdamW::stateBytes() const {
+  int64_t bytes = 0;
+  for (const auto& g : groups_) {
+    for (size_t i = 0; i < g.masters.size(); ++i) {
+      bytes += static_cast<int64_t>(g.expAvgs[i].nbytes() + g.expAvgSqs[i].nbytes());
+    }
+  }
+  return bytes;
+}
+
+} // namespace zeroshard

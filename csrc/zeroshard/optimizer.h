@@ -1,0 +1,50 @@
+// AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+struct AdamWHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weightDecay = 0.01;
+};
+
+class ShardedAdamW {
+ public:
+  // Returns the new group's index.
+  int addGroup(const AdamWHyper& hyper);
+  // Registers one shard of `group`: `master` (fp32, updated in place) and its fp32 gradient,
+  // which must stay the same tensors between steps (views into the engine's buffers).
+  // Allocates exp_avg and exp_avg_sq beside it.
+  void addShard(int group, const at::Tensor& master, const at::Tensor& grad);
+
+  // Sum of squares of every registered gradient on this rank, in double.
+  double localGradSquareSum() const;
+  // grads *= factor (clipping).
+  void scaleGrads(double factor);
+  // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
+  void step();
+
+  int numGroups() const { return static_cast<int>(groups_.size()); }
+  AdamWHyper& hyper(int group) { return groups_.at(group).hyper; }
+  int64_t stepCount() const { return steps_; }
+  // Bytes of exp_avg and exp_avg_sq held on this rank.
+  int64_t stateBytes() const;
+
+ private:
+  struct Group {
+    AdamWHyper hyper;
+    std::vector<at::Tensor> masters, grads, expAvgs, expAvgSqs, steps;
+  };
+  std::vector<Group> groups_;
+  int64_t steps_ = 0;
+};
+
+} // namespace zeroshard

@@ -1,0 +1,151 @@
+"""zeroshard.initialize() and the Engine a training script talks to.
+
+The work happens in C++ (zeroshard._C.Engine); this layer only collects the model's
+parameters by name, finds the process group, and forwards calls.
+"""
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import _C
+
+_GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps"}
+
+
+def _load_config(config):
+    if isinstance(config, _C.Config):
+        return config
+    if isinstance(config, dict):
+        return _C.Config.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return _C.Config.from_file(str(config))
+    raise TypeError(f"zeroshard.initialize: config must be a path, a dict or a zeroshard.Config, "
+                    f"not {type(config).__name__}")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_seconds=600.0):
+    """Initializes torch.distributed from the torchrun variables unless it already is.
+
+    Gloo for CPU tensors, NCCL for CUDA tensors on device LOCAL_RANK. Run without torchrun
+    (no RANK/WORLD_SIZE), it makes a group of one process, as DeepSpeed does.
+    """
+    if dist.is_initialized():
+        return dist.group.WORLD
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+    return dist.group.WORLD
+
+
+def _param_groups(model, param_groups):
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    if param_groups is None:
+        param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups, placed = [], set()
+    for i, group in enumerate(param_groups):
+        if not isinstance(group, dict):
+            group = {"params": group}
+        unknown = set(group) - _GROUP_KEYS
+        if unknown:
+            raise ValueError(f"zeroshard.initialize: param group {i} has unknown keys {sorted(unknown)}; "
+                             f"allowed: {sorted(_GROUP_KEYS)}")
+        params = list(group["params"])
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"zeroshard.initialize: param group {i} holds a tensor of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the model")
+        spec = {k: v for k, v in group.items() if k != "params"}
+        spec["names"] = [names[id(p)] for p in params]
+        spec["params"] = params
+        groups.append(spec)
+        placed.update(id(p) for p in params)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in placed]
+    if missing:
+        raise ValueError(f"zeroshard.initialize: trainable parameters {missing} are in no param group; "
+                         f"add them to a group or set requires_grad=False")
+    return groups
+
+
+class Engine:
+    """Runs the model and its ZeRO-sharded training step (see zeroshard.initialize)."""
+
+    def __init__(self, module, core, config):
+        self.module = module
+        self.config = config
+        self._core = core
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss):
+        """Backpropagates loss / gradient_accumulation_steps and reduces the gradients."""
+        self._core.backward(loss)
+
+    def step(self):
+        """Call after every backward; steps the optimizer at the accumulation boundary.
+
+        Returns True when the optimizer stepped."""
+        return self._core.step()
+
+    def full_state_dict(self):
+        """The model's state dict with full tensors and the original names, on CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def memory_stats(self):
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return self._core.memory_stats()
+
+    def comm_stats(self):
+        """Bytes and calls per collective kind in the last optimizer step."""
+        return self._core.comm_stats()
+
+    def set_lr(self, lr, group=-1):
+        self._core.set_lr(lr, group)
+
+    def get_lr(self, group=0):
+        return self._core.get_lr(group)
+
+    def __getattr__(self, name):
+        # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,
+        # train_batch_size, train_micro_batch_size_per_gpu, is_gradient_accumulation_boundary,
+        # last_grad_norm come from the C++ engine.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+
+def initialize(model, config, process_group=None, param_groups=None):
+    """Wraps `model` for ZeRO training; returns an Engine.
+
+    config: a path to a DeepSpeed-style JSON file, a dict, or a zeroshard.Config.
+    process_group: the torch.distributed group to shard over (default: the world group,
+      initialized from the torchrun environment if torch.distributed is not yet).
+    param_groups: like a torch optimizer's, e.g. [{"params": decay}, {"params": no_decay,
+      "weight_decay": 0.0}]; keys lr, weight_decay, betas, eps override the config.
+    """
+    cfg = _load_config(config)
+    if process_group is None:
+        process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
+    groups = _param_groups(model, param_groups)
+    core = _C.Engine(groups, process_group.group_name, cfg)
+    return Engine(model, core, cfg)

@@ -1,0 +1,62 @@
+"""Small models and data shared by the engine tests and benchmarks."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.down(F.gelu(self.up(self.norm(x))))
+        # Mixing along the sequence keeps the model transformer-like without attention.
+        return x + h + h.cumsum(dim=1) / torch.arange(1, x.shape[1] + 1, device=x.device).view(1, -1, 1)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, blocks of LayerNorm + Linear, a head; odd sizes on purpose: a 53-element
+    parameter (partly unused, so part of it never gets a gradient) and a 1-element bias."""
+
+    def __init__(self, vocab=37, dim=24, hidden=40, layers=2):
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.gate = nn.Linear(dim, 1)
+        self.odd = nn.Parameter(torch.randn(53) * 0.1)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return self.head(x) + self.gate(x) * self.odd[: self.vocab]
+
+    def loss(self, tokens):
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+def make_model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return TinyTransformer(**kwargs)
+
+
+def global_batch(step, batch, seq=9, vocab=37):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def no_decay_groups(model):
+    """The usual split: no weight decay for biases and norm weights."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up zeroshard and trains the small GPT of examples/train_gpt.py on 2 ranks
+# (Gloo on CPU; one rank per GPU with NCCL when GPUs are present).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+NPROC=${NPROC:-2}
+CONFIG=${CONFIG:-configs/zero2.json}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python3 -m torch.distributed.run --nproc-per-node "$NPROC" examples/train_gpt.py --config "$CONFIG" "$@"

@@ -1,0 +1,127 @@
+"""Engine properties other than parity: exact memory and traffic per stage, and clear errors."""
+
+import pytest
+import torch
+
+from conftest import WORLD_SIZES
+from models import global_batch, make_model
+from spawn import run_ranks
+
+ALIGN = 16  # FlatLayout::kShardAlignment
+
+
+def _config(stage, gas=1, **extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        # One bucket for the whole model, so the padded size is known exactly.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**9},
+        "zeroshard": {"collective_timeout_seconds": 30},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _one_step(rank, world_size, stage, gas):
+    import zeroshard
+
+    model = make_model()
+    engine = zeroshard.initialize(model, _config(stage, gas))
+    tokens = global_batch(0, 2 * world_size * gas)
+    for micro in range(gas):
+        start = (micro * world_size + rank) * 2
+        engine.backward(model.loss(tokens[start:start + 2]))
+        engine.step()
+    numel = sum(p.numel() for p in model.parameters())
+    return numel, engine.memory_stats(), engine.comm_stats()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_memory_and_traffic_follow_the_stage_formulas(world_size):
+    """Per-rank bytes: stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N (fp32: params and
+    grads 4 bytes, exp_avg + exp_avg_sq 8; the fp32 params are the master weights). One step
+    moves 2Ψ elements of traffic at every stage; Ψ is the padded size."""
+
+    def check(stage, gas):
+        results = run_ranks(_one_step, world_size, stage, gas)
+        n = world_size
+        for numel, mem, comm in results:
+            padded = -(-numel // (ALIGN * n)) * ALIGN * n
+            assert 0 <= padded - numel < ALIGN * n
+            psi = 4 * padded
+            expected = {
+                0: (psi, psi, 2 * psi),
+                1: (psi, psi, 2 * psi // n),
+                2: (psi, psi // n, 2 * psi // n),
+            }[stage]
+            assert (mem["params"], mem["grads"], mem["optimizer"]) == expected, (stage, mem)
+            assert mem["total"] == sum(expected)
+            # Traffic: stage 2 reduce-scatters every micro-batch, stages 0 and 1 once a step.
+            reductions = gas if stage == 2 else 1
+            if stage == 0:
+                assert comm["all_reduce"] == {"calls": 1, "bytes": psi}
+                assert comm["reduce_scatter"]["calls"] == comm["all_gather"]["calls"] == 0
+            else:
+                assert comm["reduce_scatter"] == {"calls": reductions, "bytes": reductions * psi}
+                assert comm["all_gather"] == {"calls": 1, "bytes": psi}
+                assert comm["all_reduce"]["calls"] == 0
+            assert comm["broadcast"]["calls"] == 0
+            assert comm["traffic_bytes"] == (1 + reductions) * psi
+
+    for stage in (0, 1, 2):
+        check(stage, gas=1)
+    check(2, gas=2)
+
+
+def _errors(rank, world_size):
+    import zeroshard
+
+    model = make_model()
+    engine = zeroshard.initialize(model, _config(2))
+    with pytest.raises(RuntimeError, match=r"step\(\) called without engine.backward\(\)"):
+        engine.step()
+    tokens = global_batch(0, 2 * world_size)
+    with pytest.raises(RuntimeError, match=r"instead of loss.backward\(\)"):
+        model.loss(tokens[:2]).backward()
+    with pytest.raises(RuntimeError, match="scalar loss"):
+        engine.backward(model(tokens[:2]).sum(dim=-1))
+
+    frozen = make_model()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no trainable parameters"):
+        zeroshard.initialize(frozen, _config(1))
+
+    # train = micro x accumulation x world must hold for the group's world size.
+    bad = _config(1)
+    bad["train_batch_size"] = 2 * 2 * world_size + 2
+    with pytest.raises(ValueError, match=rf"train_batch_size \({2 * 2 * world_size + 2}\) != .* world size \({world_size}\)"):
+        zeroshard.initialize(make_model(), bad)
+
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        zeroshard.initialize(make_model(), _config(1), param_groups=[{"params": [stranger]}])
+    partial = make_model()
+    with pytest.raises(ValueError, match="are in no param group"):
+        zeroshard.initialize(partial, _config(1), param_groups=[{"params": [partial.head.weight]}])
+    with pytest.raises(RuntimeError, match="stage 3 is not available"):
+        zeroshard.initialize(make_model(), _config(3))
+    return True
+
+
+def test_bad_input_gives_clear_errors():
+    assert run_ranks(_errors, 2) == [True, True]
+
+
+def _from_file(rank, world_size, path):
+    import zeroshard
+
+    return zeroshard.initialize(make_model(), path).stage
+
+
+def test_config_argument_accepts_a_shipped_file():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "zero2.json"
+    assert run_ranks(_from_file, 1, str(path)) == [2]

@@ -91,7 +91,9 @@ void bindConfig(py::module_& m) {
       .def_readonly("stage3_max_live_parameters", &ZeroConfig::stage3MaxLiveParameters);
 
   py::class_<ZeroshardExtras>(m, "ZeroshardExtras", "The \"zeroshard\" section (read-only).")
-      .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds);
+      .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds)
+      .def_readonly("reshard_after_forward", &ZeroshardExtras::reshardAfterForward)
+      .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses);
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",

@@ -36,15 +36,29 @@ std::vector<ParamGroupSpec> groupSpecs(const py::list& groups) {
 
 void bindEngine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config) {
+      .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
+                       const py::list& units) {
              auto specs = groupSpecs(groups);
+             std::vector<UnitSpec> unitSpecs;
+             for (const auto& item : units) {
+               const auto unit = item.cast<py::dict>();
+               unitSpecs.push_back(UnitSpec{unit["name"].cast<std::string>(),
+                                            unit["params"].cast<std::vector<std::string>>(),
+                                            unit["root"].cast<bool>()});
+             }
              auto processGroup = c10d::resolve_process_group(groupName);
              // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
              // the last reference to a Python-owned tensor, so it must not be held here.
              py::gil_scoped_release noGil;
-             return std::make_unique<Engine>(std::move(specs), std::move(processGroup), config);
+             return std::make_unique<Engine>(std::move(specs), std::move(processGroup), config,
+                                             std::move(unitSpecs));
            }),
-           "param_groups"_a, "group_name"_a, "config"_a)
+           "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list())
+      .def("pre_forward", &Engine::preForward, "unit"_a, py::call_guard<py::gil_scoped_release>())
+      .def("post_forward", &Engine::postForward, "unit"_a, "outputs"_a,
+           py::call_guard<py::gil_scoped_release>())
+      .def("gather_parameters", &Engine::gatherParameters, py::call_guard<py::gil_scoped_release>())
+      .def("reshard_parameters", &Engine::reshardParameters, py::call_guard<py::gil_scoped_release>())
       .def("backward", &Engine::backward, "loss"_a, py::call_guard<py::gil_scoped_release>())
       .def("step", &Engine::step, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("stage", &Engine::stage)
@@ -63,7 +77,8 @@ void bindEngine(py::module_& m) {
            [](const Engine& e) {
              const auto s = e.memoryStats();
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
-                             "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes());
+                             "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
+                             "gathered_peak"_a = s.gatheredPeakBytes);
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)

@@ -18,13 +18,15 @@ FlatLayout layoutOf(const std::vector<at::Tensor>& params, std::vector<std::stri
 
 } // namespace
 
-Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, int paramGroup, int rank,
-               int worldSize)
+Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
+               int rank, int worldSize)
     : layout_(layoutOf(params, std::move(names), worldSize)),
-      paramGroup_(paramGroup),
+      paramGroups_(std::move(paramGroups)),
       rank_(rank),
       params_(std::move(params)) {
   TORCH_CHECK(!params_.empty(), "zeroshard::Bucket: no parameters");
+  TORCH_CHECK(paramGroups_.size() == params_.size(), "zeroshard::Bucket: ", params_.size(), " parameters but ",
+              paramGroups_.size(), " group ids");
   const auto options = params_.front().options();
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
@@ -45,8 +47,36 @@ Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, i
 }
 
 at::Tensor Bucket::paramShard() const {
+  if (shard_.defined()) return shard_;
   const auto range = layout_.shardRange(rank_);
   return flatParams_.narrow(0, range.begin, range.numel());
+}
+
+void Bucket::detachShard() {
+  if (!shard_.defined()) shard_ = paramShard().clone();
+}
+
+// Note [freeing parameter storage]: the parameters are views of flatParams_'s storage. Swapping
+// that storage's data pointer frees the memory while every view (and every tensor autograd
+// saved) keeps referring to the same StorageImpl, so re-materializing makes them all valid
+// again without touching a version counter. The allocator is the storage's own (the CUDA
+// caching allocator on GPUs), so this is device-generic.
+void Bucket::releaseFlatParams() {
+  auto* storage = flatParams_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, flatParams_.device()));
+  storage->set_nbytes(0);
+}
+
+void Bucket::materializeFlatParams() {
+  auto* storage = flatParams_.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() > 0) return;
+  const size_t bytes = static_cast<size_t>(layout_.paddedNumel()) * flatParams_.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+bool Bucket::flatParamsMaterialized() const {
+  return flatParams_.storage().nbytes() > 0;
 }
 
 void Bucket::allocateFlatGrads() {

@@ -16,17 +16,29 @@ namespace zeroshard {
 
 class Bucket {
  public:
-  Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, int paramGroup, int rank,
-         int worldSize);
+  // paramGroups[i]: the optimizer param group of params[i] (one group per bucket at stages
+  // 0-2; a stage-3 unit may mix groups).
+  Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
+         int rank, int worldSize);
 
   const FlatLayout& layout() const { return layout_; }
-  int paramGroup() const { return paramGroup_; }
+  int paramGroup() const { return paramGroups_.front(); }
+  int paramGroupOf(size_t param) const { return paramGroups_.at(param); }
   const std::vector<at::Tensor>& params() const { return params_; }
   size_t size() const { return params_.size(); }
 
-  // The full flat parameters (padded), and this rank's slice of them.
+  // The full flat parameters (padded), and this rank's slice of them: a view of the full
+  // buffer, or its own storage after detachShard().
   const at::Tensor& flatParams() const { return flatParams_; }
   at::Tensor paramShard() const;
+
+  // Stage 3. detachShard() copies this rank's slice into its own storage, so that the full
+  // buffer can be released (the parameters keep their identity and shapes, their storage
+  // becomes empty) and materialized again (contents undefined until an all-gather fills it).
+  void detachShard();
+  void releaseFlatParams();
+  void materializeFlatParams();
+  bool flatParamsMaterialized() const;
 
   // Stages 0 and 1 keep full gradients: one flat buffer whose views are the params' .grad,
   // so autograd accumulates straight into it.
@@ -49,10 +61,11 @@ class Bucket {
 
  private:
   FlatLayout layout_;
-  int paramGroup_;
+  std::vector<int> paramGroups_;
   int rank_;
   std::vector<at::Tensor> params_;
   at::Tensor flatParams_;
+  at::Tensor shard_;
   at::Tensor flatGrads_;
   at::Tensor gradShard_;
   at::Tensor staging_;

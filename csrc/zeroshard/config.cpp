@@ -151,7 +151,9 @@ std::string Config::toJsonString() const {
       {"stage3_prefetch_bucket_size", zero.stage3PrefetchBucketSize},
       {"stage3_param_persistence_threshold", zero.stage3ParamPersistenceThreshold},
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
-  j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds}};
+  j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds},
+                    {"reshard_after_forward", extras.reshardAfterForward},
+                    {"stage3_unit_classes", extras.unitClasses}};
   return j.dump(2);
 }
 

@@ -75,6 +75,12 @@ struct ZeroConfig {
 // "zeroshard": keys DeepSpeed does not have.
 struct ZeroshardExtras {
   double collectiveTimeoutSeconds = 600;
+  // Stage 3: free a unit's gathered parameters after its forward (false keeps them until its
+  // backward: fewer all-gathers, more memory, like FSDP's reshard_after_forward=False).
+  bool reshardAfterForward = true;
+  // Stage 3: module class names whose instances are units; empty = the children of the
+  // model's largest nn.ModuleList (the usual transformer blocks).
+  std::vector<std::string> unitClasses;
 };
 
 struct Config {

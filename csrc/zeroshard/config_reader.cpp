@@ -292,6 +292,18 @@ void ConfigReader::readTopLevel(const Json& root) {
     checkKeys(*extras, "zeroshard", configSection("zeroshard"));
     readNumber(*extras, "zeroshard", "collective_timeout_seconds", kPositive,
                config_.extras.collectiveTimeoutSeconds);
+    readBool(*extras, "zeroshard", "reshard_after_forward", config_.extras.reshardAfterForward);
+    if (extras->contains("stage3_unit_classes")) {
+      const Json& classes = (*extras)["stage3_unit_classes"];
+      const std::string where = "zeroshard.stage3_unit_classes";
+      if (!classes.is_array()) fail(where + ": must be a list of module class names, got " + classes.dump());
+      for (const auto& name : classes) {
+        if (!name.is_string() || name.get<std::string>().empty()) {
+          fail(where + ": every entry must be a non-empty class name string, got " + name.dump());
+        }
+        config_.extras.unitClasses.push_back(name.get<std::string>());
+      }
+    }
   }
 }
 

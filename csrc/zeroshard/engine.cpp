@@ -51,16 +51,19 @@ void checkParams(const std::vector<ParamGroupSpec>& groups) {
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-               Config config)
+               Config config, std::vector<UnitSpec> units)
     : config_(std::move(config)), comm_(std::move(processGroup), timeoutOf(config_)) {
-  TORCH_CHECK(config_.zero.stage <= 2, "zeroshard: zero_optimization.stage ", config_.zero.stage,
-              " is not available in this version of the engine; use stage 0, 1 or 2");
   TORCH_CHECK(!config_.bf16.enabled && !config_.fp16.enabled,
               "zeroshard: bf16/fp16 mixed precision is not available in this version of the engine; "
               "set bf16.enabled and fp16.enabled to false");
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParams(groups);
-  buildBuckets(groups);
+  std::vector<UnitPolicy> policies;
+  if (stage() == 3) {
+    policies = buildUnits(groups, units);
+  } else {
+    buildBuckets(groups);
+  }
 
   // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
   std::vector<CommHandle> handles;
@@ -68,6 +71,18 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   for (auto& h : handles) h.wait();
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
+  if (stage() == 3) {
+    units_ = std::make_unique<ShardedUnits>(buckets_, std::move(policies), comm_,
+                                            config_.zero.stage3PrefetchBucketSize,
+                                            config_.zero.stage3MaxLiveParameters);
+  }
+  registerShards();
+  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage());
+  if (units_) reducer_->setOnLaunched([this](size_t unit) { units_->afterGradReduce(unit); });
+  comm_.resetStats();
+}
+
+void Engine::registerShards() {
   for (auto& b : buckets_) {
     switch (stage()) {
       case 0:
@@ -78,13 +93,21 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
         b.allocateFlatGrads();
         optimizer_.addShard(b.paramGroup(), b.paramShard(), b.flatGradShard());
         break;
-      default:
+      case 2:
         b.allocateGradShard();
         optimizer_.addShard(b.paramGroup(), b.paramShard(), b.gradShard());
+        break;
+      default:
+        // A unit may mix param groups: each piece of a parameter in this rank's shard is
+        // registered with its own group (padding gets no optimizer state).
+        b.allocateGradShard();
+        for (const auto& piece : b.layout().piecesInShard(rank())) {
+          const int64_t length = piece.paramEnd - piece.paramBegin;
+          optimizer_.addShard(b.paramGroupOf(piece.param), b.paramShard().narrow(0, piece.shardOffset, length),
+                              b.gradShard().narrow(0, piece.shardOffset, length));
+        }
     }
   }
-  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage());
-  comm_.resetStats();
 }
 
 Engine::~Engine() = default;
@@ -101,7 +124,8 @@ void Engine::buildBuckets(std::vector<ParamGroupSpec>& groups) {
       if (params.empty()) return;
       std::reverse(params.begin(), params.end());
       std::reverse(names.begin(), names.end());
-      buckets_.emplace_back(std::move(params), std::move(names), static_cast<int>(g), comm_.rank(),
+      std::vector<int> groupIds(params.size(), static_cast<int>(g));
+      buckets_.emplace_back(std::move(params), std::move(names), std::move(groupIds), comm_.rank(),
                             comm_.worldSize());
       params.clear();
       names.clear();
@@ -136,6 +160,7 @@ void Engine::backward(const at::Tensor& loss) {
     throw;
   }
   reducer_->finishBackward();
+  if (units_) units_->finishBackward();
   backwardSinceStep_ = true;
 }
 
@@ -153,6 +178,10 @@ bool Engine::step() {
   zeroGrads();
   lastStepStats_ = comm_.stats();
   comm_.resetStats();
+  if (units_) {
+    lastPeakGatheredBytes_ = units_->peakGatheredBytes();
+    units_->resetPeak();
+  }
   return true;
 }
 
@@ -173,6 +202,10 @@ void Engine::clipGradients() {
 
 void Engine::gatherParams() {
   if (stage() == 0) return;
+  if (units_) {
+    units_->refreshKeptUnits();  // the other units gather from their shards when next used
+    return;
+  }
   std::vector<CommHandle> handles;
   for (auto& b : buckets_) handles.push_back(comm_.allGather(b.paramShard(), b.flatParams()));
   for (auto& h : handles) h.wait();
@@ -186,15 +219,23 @@ void Engine::zeroGrads() {
       b.gradShard().zero_();
     }
   }
-  if (stage() == 2) reducer_->markShardsEmpty();
+  if (stage() >= 2) reducer_->markShardsEmpty();
 }
 
 MemoryStats Engine::memoryStats() const {
   MemoryStats stats;
-  for (const auto& b : buckets_) {
-    stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const auto& b = buckets_[i];
+    if (units_) {
+      // Between steps a unit holds its shard; only kept-gathered units also hold the full buffer.
+      stats.paramBytes += static_cast<int64_t>(b.paramShard().nbytes());
+      if (!units_->isReleasable(i)) stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
+    } else {
+      stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
+    }
     stats.gradBytes += static_cast<int64_t>(stage() < 2 ? b.flatGrads().nbytes() : b.gradShard().nbytes());
   }
+  stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   // fp32 training: the master weights are the parameters' own storage, not a copy.
   stats.optimizerBytes = optimizer_.stateBytes();
   return stats;

@@ -14,6 +14,7 @@
 #include "zeroshard/communicator.h"
 #include "zeroshard/config.h"
 #include "zeroshard/optimizer.h"
+#include "zeroshard/sharded_units.h"
 
 #include <memory>
 #include <optional>
@@ -32,6 +33,16 @@ namespace zeroshard {
 
 class GradReducer;
 
+// Stage 3: one unit of the model (e.g. one transformer block): the names of its parameters.
+// Parameters of at most stage3_param_persistence_threshold elements leave their unit for one
+// unit that stays gathered. The root unit (what no other unit holds) is not released after
+// forward, since backward starts with it.
+struct UnitSpec {
+  std::string name;
+  std::vector<std::string> paramNames;
+  bool root = false;
+};
+
 // One optimizer param group: its parameters (leaf tensors that require grad) with their names,
 // and hyper-parameters that override the config's optimizer.params.
 struct ParamGroupSpec {
@@ -47,13 +58,17 @@ struct MemoryStats {
   int64_t paramBytes = 0;
   int64_t gradBytes = 0;
   int64_t optimizerBytes = 0;
+  // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
+  // step (not part of the total, which counts what is held between steps).
+  int64_t gatheredPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
 };
 
 class Engine {
  public:
+  // `units` is used at stage 3 only; empty means one root unit holding every parameter.
   Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-         Config config);
+         Config config, std::vector<UnitSpec> units = {});
   // Every trainable parameter of `model` in one group (defined in engine_module.cpp).
   Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config);
   ~Engine();
@@ -83,12 +98,22 @@ class Engine {
   // Every trained parameter, by its original name (full tensors; stages 0-2 keep them whole).
   std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;
 
+  // Stage 3 module hooks, by index into the UnitSpec list (units with no parameter of their own
+  // are no-ops). postForward registers pre-backward hooks on the outputs.
+  void preForward(size_t unitSpec);
+  void postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs);
+  // Stage 3: make every parameter whole (blocking), and release them again.
+  void gatherParameters();
+  void reshardParameters();
+
   // Sets lr of one param group, or of all with group = -1 (for schedulers).
   void setLearningRate(double lr, int group = -1);
   double learningRate(int group = 0);
 
  private:
   void buildBuckets(std::vector<ParamGroupSpec>& groups);
+  std::vector<UnitPolicy> buildUnits(const std::vector<ParamGroupSpec>& groups, const std::vector<UnitSpec>& units);
+  void registerShards();
   void clipGradients();
   void gatherParams();
   void zeroGrads();
@@ -99,10 +124,13 @@ class Engine {
   std::vector<Bucket> buckets_;
   ShardedAdamW optimizer_;
   std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<ShardedUnits> units_;
+  std::vector<int> specToUnit_;
   int64_t microSteps_ = 0;
   bool backwardSinceStep_ = false;
   double lastGradNorm_ = 0;
   CommStats lastStepStats_;
+  int64_t lastPeakGatheredBytes_ = 0;
 };
 
 } // namespace zeroshard

@@ -41,7 +41,7 @@ struct GradReducer::HookHandle {
 
 GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage)
     : buckets_(buckets), comm_(comm), stage_(stage) {
-  TORCH_CHECK(stage_ >= 0 && stage_ <= 2, "zeroshard::GradReducer handles stages 0-2, got ", stage_);
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zeroshard::GradReducer handles stages 0-3, got ", stage_);
   for (const auto& b : buckets_) {
     ready_.emplace_back(b.size(), 0);
   }
@@ -75,7 +75,7 @@ void GradReducer::removeHooks() {
 }
 
 bool GradReducer::reducesThisBackward() const {
-  return stage_ == 2 || boundary_;
+  return stage_ >= 2 || boundary_;
 }
 
 void GradReducer::markShardsEmpty() {
@@ -100,13 +100,13 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
               "' arrived outside engine.backward(); call engine.backward(loss) instead of loss.backward()");
   if (ready_[bucket][param]) {
     TORCH_CHECK(stage_ < 2, "zeroshard: parameter '", b.layout().params()[param].name,
-                "' received a second gradient in one backward; at stage 2 each parameter's gradient is "
-                "reduced as soon as it is final");
+                "' received a second gradient in one backward; at stages 2 and 3 each parameter's gradient "
+                "is reduced as soon as it is final");
     return;
   }
   ready_[bucket][param] = 1;
   ++readyCount_[bucket];
-  if (stage_ == 2) {
+  if (stage_ >= 2) {
     // Copy the final gradient into the bucket's staging buffer and free it right away.
     if (!b.staging().defined()) {
       b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
@@ -143,6 +143,7 @@ void GradReducer::launch(size_t bucket) {
                            [staging, partial, shard]() mutable { shard.add_(partial); }});
     }
     shardHasData_[bucket] = 1;
+    if (onLaunched_) onLaunched_(bucket);
   }
 }
 

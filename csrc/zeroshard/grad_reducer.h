@@ -5,7 +5,7 @@
 // at once (asynchronously) and overlaps the rest of backward:
 //   stage 0: all-reduce of the full flat gradients, at the accumulation boundary;
 //   stage 1: reduce-scatter of the full flat gradients into this rank's slice, at the boundary;
-//   stage 2: every micro-batch, the bucket's gradients are copied into a full-size staging
+//   stages 2 and 3: every micro-batch, the bucket's gradients are copied into a full-size staging
 //            buffer, reduce-scattered, added to the fp32 gradient shard, and the staging
 //            buffer is released.
 // finishBackward() starts the buckets some of whose parameters got no gradient (in bucket
@@ -42,6 +42,8 @@ class GradReducer {
 
   // Called from the autograd hook of parameter `param` of bucket `bucket`.
   void onGradReady(size_t bucket, size_t param);
+  // Stage 3: told each time a bucket's reduce-scatter has started (its parameters can go).
+  void setOnLaunched(std::function<void(size_t)> onLaunched) { onLaunched_ = std::move(onLaunched); }
 
  private:
   struct InFlight {
@@ -63,6 +65,7 @@ class GradReducer {
   std::vector<char> launched_;
   std::vector<char> shardHasData_;
   std::vector<InFlight> inFlight_;
+  std::function<void(size_t)> onLaunched_;
   struct HookHandle;
   std::vector<std::unique_ptr<HookHandle>> hooks_;
 };

@@ -4,6 +4,7 @@ The work happens in C++ (zeroshard._C.Engine); this layer only collects the mode
 parameters by name, finds the process group, and forwards calls.
 """
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeroshard import _C
+from zeroshard import _C, stage3
 
 _GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps"}
 
@@ -87,10 +88,11 @@ def _param_groups(model, param_groups):
 class Engine:
     """Runs the model and its ZeRO-sharded training step (see zeroshard.initialize)."""
 
-    def __init__(self, module, core, config):
+    def __init__(self, module, core, config, hooks=()):
         self.module = module
         self.config = config
         self._core = core
+        self._hooks = list(hooks)
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -107,9 +109,24 @@ class Engine:
         Returns True when the optimizer stepped."""
         return self._core.step()
 
-    def full_state_dict(self):
-        """The model's state dict with full tensors and the original names, on CPU."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Inside, every parameter is whole (stage 3 gathers them; a no-op below stage 3).
+        Read them; changes made inside are not kept at stage 3."""
+        self._core.gather_parameters()
+        try:
+            yield
+        finally:
+            self._core.reshard_parameters()
+
+    def full_state_dict(self, rank0_only=False):
+        """The model's state dict with full tensors and the original names, on CPU.
+
+        Every rank takes part; with rank0_only=True the other ranks get an empty dict."""
+        with self.gathered_parameters():
+            if rank0_only and self._core.rank != 0:
+                return {}
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def memory_stats(self):
         """Bytes of parameters, gradients and optimizer state this rank holds."""
@@ -147,5 +164,8 @@ def initialize(model, config, process_group=None, param_groups=None):
     if process_group is None:
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
     groups = _param_groups(model, param_groups)
-    core = _C.Engine(groups, process_group.group_name, cfg)
-    return Engine(model, core, cfg)
+    if cfg.stage != 3:
+        return Engine(model, _C.Engine(groups, process_group.group_name, cfg), cfg)
+    units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
+    core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
+    return Engine(model, core, cfg, stage3.install_hooks(core, model, units))

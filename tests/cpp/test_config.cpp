@@ -178,6 +178,8 @@ TEST_CASE("out-of-range values name the key, the value and what is allowed") {
       {R"({"fp16": {"initial_scale_power": 64}})", "fp16.initial_scale_power: must be in 0..63, got 64"},
       {R"({"fp16": {"min_loss_scale": 0}})", "fp16.min_loss_scale: must be > 0, got 0"},
       {R"({"zeroshard": {"collective_timeout_seconds": 0}})", "zeroshard.collective_timeout_seconds: must be > 0, got 0"},
+      {R"({"zeroshard": {"stage3_unit_classes": "Block"}})", "zeroshard.stage3_unit_classes: must be a list of module class names"},
+      {R"({"zeroshard": {"stage3_unit_classes": [3]}})", "zeroshard.stage3_unit_classes: every entry must be a non-empty class name string"},
   };
   for (const auto& c : cases) {
     REQUIRE(missing(errorOf(c.json), c.expected) == "");
@@ -496,7 +498,8 @@ TEST_CASE("toJsonString round-trips every field exactly") {
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 123, "allgather_bucket_size": 456,
                           "contiguous_gradients": false, "stage3_prefetch_bucket_size": 0,
                           "stage3_param_persistence_threshold": 9, "stage3_max_live_parameters": 10},
-    "zeroshard": {"collective_timeout_seconds": 12.5},
+    "zeroshard": {"collective_timeout_seconds": 12.5, "reshard_after_forward": false,
+                  "stage3_unit_classes": ["Block", "DecoderLayer"]},
     "steps_per_print": 1
   })");
   const std::string text = original.toJsonString();
@@ -507,6 +510,8 @@ TEST_CASE("toJsonString round-trips every field exactly") {
   CHECK(back.trainMicroBatchSizePerGpu == original.trainMicroBatchSizePerGpu);
   CHECK(!back.gradientAccumulationSteps.has_value());
   CHECK(back.gradientClipping == original.gradientClipping);
+  CHECK(!back.extras.reshardAfterForward);
+  CHECK(back.extras.unitClasses == std::vector<std::string>{"Block", "DecoderLayer"});
   CHECK(back.fp16.enabled == original.fp16.enabled);
   CHECK(back.fp16.lossScale == original.fp16.lossScale);
   CHECK(back.fp16.initialScalePower == original.fp16.initialScalePower);

@@ -17,6 +17,7 @@ STEPS = 4
 MICRO = 2
 LR = 1e-2
 RTOL, ATOL = 1e-4, 1e-5
+STAGES = (0, 1, 2, 3)
 
 
 def _config(stage, gas, clip):
@@ -26,7 +27,9 @@ def _config(stage, gas, clip):
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
         # A small bucket size makes several buckets, so reduction overlaps backward.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
+        # Threshold 0: at stage 3 every parameter is sharded, none kept gathered.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
+                              "stage3_param_persistence_threshold": 0},
         "zeroshard": {"collective_timeout_seconds": 30},
     }
 
@@ -36,7 +39,7 @@ def _train(rank, world_size, gas, clip, two_groups):
     import zeroshard
 
     results = {}
-    for stage in (0, 1, 2):
+    for stage in STAGES:
         model = make_model()
         groups = no_decay_groups(model) if two_groups else None
         engine = zeroshard.initialize(model, _config(stage, gas, clip), param_groups=groups)

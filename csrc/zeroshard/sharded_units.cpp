@@ -1,0 +1,177 @@
+#include "zeroshard/sharded_units.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace zeroshard {
+
+ShardedUnits::ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
+                           int64_t prefetchElements, int64_t maxLiveElements)
+    : units_(units),
+      policies_(std::move(policies)),
+      comm_(comm),
+      prefetchElements_(prefetchElements),
+      maxLiveElements_(maxLiveElements) {
+  TORCH_CHECK(policies_.size() == units_.size(), "zeroshard: ", units_.size(), " units but ", policies_.size(),
+              " policies");
+  states_.assign(units_.size(), UnitState::kSharded);
+  pending_.resize(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = units_[u];
+    unit.detachShard();
+    if (policies_[u].keepGathered) {
+      states_[u] = UnitState::kGathered;
+    } else {
+      unit.releaseFlatParams();
+    }
+  }
+}
+
+const std::string& ShardedUnits::nameOf(size_t unit) const {
+  // A unit's name is its first parameter's module path, e.g. "blocks.3.attn.qkv.weight".
+  return units_.at(unit).layout().params().front().name;
+}
+
+void ShardedUnits::startUnshard(size_t u) {
+  if (states_[u] != UnitState::kSharded) return;
+  auto& unit = units_[u];
+  unit.materializeFlatParams();
+  pending_[u] = comm_.allGather(unit.paramShard(), unit.flatParams());
+  states_[u] = UnitState::kGathering;
+  liveElements_ += unit.layout().paddedNumel();
+  liveBytes_ += static_cast<int64_t>(unit.flatParams().nbytes());
+  peakBytes_ = std::max(peakBytes_, liveBytes_);
+}
+
+void ShardedUnits::unshard(size_t u) {
+  startUnshard(u);
+  if (states_[u] == UnitState::kGathering) {
+    auto handle = std::move(*pending_[u]);
+    pending_[u].reset();
+    handle.wait();
+    states_[u] = UnitState::kGathered;
+  }
+}
+
+void ShardedUnits::reshard(size_t u) {
+  if (policies_[u].keepGathered || states_[u] == UnitState::kSharded) return;
+  if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
+  units_[u].releaseFlatParams();
+  states_[u] = UnitState::kSharded;
+  liveElements_ -= units_[u].layout().paddedNumel();
+  liveBytes_ -= static_cast<int64_t>(units_[u].flatParams().element_size()) * units_[u].layout().paddedNumel();
+}
+
+void ShardedUnits::prefetch(size_t u) {
+  if (states_[u] != UnitState::kSharded || prefetchElements_ <= 0) return;
+  const int64_t numel = units_[u].layout().paddedNumel();
+  if (numel > prefetchElements_ || liveElements_ + numel > maxLiveElements_) return;
+  startUnshard(u);
+}
+
+void ShardedUnits::preForward(size_t u) {
+  const bool training = c10::GradMode::is_enabled();
+  if (recording_ && training) {
+    order_.push_back(u);
+  } else if (!recording_ && training) {
+    if (forwardPos_ == order_.size()) forwardPos_ = 0;  // a forward that had no backward
+    TORCH_CHECK(forwardPos_ < order_.size() && order_[forwardPos_] == u, "zeroshard stage 3: unit '", nameOf(u),
+                "' ran at position ", forwardPos_, " of this forward, but the first step ran ",
+                forwardPos_ < order_.size() ? "'" + nameOf(order_[forwardPos_]) + "'" : std::string("no unit"),
+                " there; every training forward must run the units in the same order on every rank");
+  }
+  unshard(u);
+  if (!recording_ && training) {
+    ++forwardPos_;
+    if (forwardPos_ < order_.size()) prefetch(order_[forwardPos_]);
+  }
+}
+
+void ShardedUnits::postForward(size_t u, const std::vector<at::Tensor>& outputs) {
+  if (c10::GradMode::is_enabled()) {
+    for (const auto& out : outputs) {
+      if (out.defined() && out.requires_grad()) {
+        out.register_hook([this, u](const at::TensorBase&) { preBackward(u); });
+      }
+    }
+  }
+  if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) reshard(u);
+}
+
+void ShardedUnits::preBackward(size_t u) {
+  unshard(u);
+  if (recording_) return;
+  // Walk the recorded order backwards: the unit before this one runs its backward next.
+  size_t pos = std::min(backwardPos_, order_.size());
+  while (pos > 0 && order_[pos - 1] != u) --pos;
+  if (pos > 0) {
+    backwardPos_ = pos - 1;
+    if (backwardPos_ > 0) prefetch(order_[backwardPos_ - 1]);
+  }
+}
+
+void ShardedUnits::afterGradReduce(size_t u) {
+  reshard(u);
+}
+
+void ShardedUnits::finishBackward() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  if (recording_) {
+    checkOrderAcrossRanks();
+    recording_ = false;
+  }
+  forwardPos_ = 0;
+  backwardPos_ = order_.size();
+}
+
+void ShardedUnits::checkOrderAcrossRanks() {
+  // Equal lengths first (an all-gather of unequal sizes cannot even be posted), then the orders.
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(units_.front().flatParams().device());
+  const int64_t n = static_cast<int64_t>(order_.size());
+  auto lengths = at::empty({comm_.worldSize()}, i64);
+  comm_.allGather(at::full({1}, n, i64), lengths).wait();
+  auto lengthsCpu = lengths.cpu();
+  for (int r = 0; r < comm_.worldSize(); ++r) {
+    TORCH_CHECK(lengthsCpu[r].item<int64_t>() == n, "zeroshard stage 3: rank ", comm_.rank(), " ran ", n,
+                " unit forwards in its first step but rank ", r, " ran ", lengthsCpu[r].item<int64_t>(),
+                "; every rank must run the same units in the same order");
+  }
+  if (n == 0) return;
+  std::vector<int64_t> mine(order_.begin(), order_.end());
+  auto all = at::empty({n * comm_.worldSize()}, i64);
+  comm_.allGather(at::tensor(mine, i64.device(at::kCPU)).to(i64.device()), all).wait();
+  auto allCpu = all.cpu();
+  for (int r = 0; r < comm_.worldSize(); ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      const auto theirs = allCpu[r * n + i].item<int64_t>();
+      TORCH_CHECK(theirs == mine[i], "zeroshard stage 3: at position ", i, " of the first step rank ", comm_.rank(),
+                  " ran unit '", nameOf(mine[i]), "' but rank ", r, " ran unit '", nameOf(theirs),
+                  "'; every rank must run the units in the same order");
+    }
+  }
+}
+
+void ShardedUnits::refreshKeptUnits() {
+  std::vector<CommHandle> handles;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (policies_[u].keepGathered) handles.push_back(comm_.allGather(units_[u].paramShard(), units_[u].flatParams()));
+  }
+  for (auto& h : handles) h.wait();
+}
+
+void ShardedUnits::gatherAll() {
+  for (size_t u = 0; u < units_.size(); ++u) startUnshard(u);
+  for (size_t u = 0; u < units_.size(); ++u) unshard(u);
+}
+
+void ShardedUnits::reshardAll() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
+} // namespace zeroshard

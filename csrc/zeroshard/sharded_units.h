@@ -1,0 +1,85 @@
+// Stage 3: parameters exist only as shards between uses. A unit (one FlatLayout, usually one
+// transformer block) is all-gathered before its forward, freed after it, gathered again before
+// its backward and freed once its gradients are reduce-scattered.
+//
+// The first forward records the order units run in; later forwards prefetch the next unit's
+// all-gather while the current one computes, and backwards prefetch the previous one. The
+// recorded order is compared across ranks once (a mismatch is an error naming the units), and
+// every later training forward must follow it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/bucket.h"
+#include "zeroshard/communicator.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+enum class UnitState { kSharded, kGathering, kGathered };
+
+struct UnitPolicy {
+  bool reshardAfterForward = true;  // false for the root unit: its outputs are needed at once
+  bool keepGathered = false;        // persistent parameters: never released
+};
+
+class ShardedUnits {
+ public:
+  ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
+               int64_t prefetchElements, int64_t maxLiveElements);
+
+  // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
+  void preForward(size_t unit);
+  // Registers a pre-backward hook on every output that requires grad, then frees the unit's
+  // parameters if its policy says so.
+  void postForward(size_t unit, const std::vector<at::Tensor>& outputs);
+  // From autograd: the gradient of one of the unit's outputs is about to flow into it.
+  void preBackward(size_t unit);
+  // The unit's gradients were handed to the reducer: its gathered parameters can go.
+  void afterGradReduce(size_t unit);
+  // End of a backward: releases what is still gathered, checks the order once.
+  void finishBackward();
+  // After the optimizer step: kept-gathered units all-gather their updated shards.
+  void refreshKeptUnits();
+
+  // gathered_parameters() and full state dicts.
+  void gatherAll();
+  void reshardAll();
+
+  UnitState state(size_t unit) const { return states_.at(unit); }
+  bool isReleasable(size_t unit) const { return !policies_.at(unit).keepGathered; }
+  const std::vector<size_t>& order() const { return order_; }
+  // Bytes of gathered (full) parameters of units that are not kept gathered.
+  int64_t gatheredBytes() const { return liveBytes_; }
+  int64_t peakGatheredBytes() const { return peakBytes_; }
+  void resetPeak() { peakBytes_ = liveBytes_; }
+
+ private:
+  void startUnshard(size_t unit);
+  void unshard(size_t unit);
+  void reshard(size_t unit);
+  void prefetch(size_t unit);
+  void checkOrderAcrossRanks();
+  const std::string& nameOf(size_t unit) const;
+
+  std::vector<Bucket>& units_;
+  std::vector<UnitPolicy> policies_;
+  Communicator& comm_;
+  int64_t prefetchElements_;
+  int64_t maxLiveElements_;
+  std::vector<UnitState> states_;
+  std::vector<std::optional<CommHandle>> pending_;
+  std::vector<size_t> order_;
+  bool recording_ = true;
+  size_t forwardPos_ = 0;
+  size_t backwardPos_ = 0;
+  int64_t liveElements_ = 0;
+  int64_t liveBytes_ = 0;
+  int64_t peakBytes_ = 0;
+};
+
+} // namespace zeroshard

@@ -1,0 +1,69 @@
+"""Stage 3 module hooks: which modules are units, and the hooks that call the C++ engine.
+
+A unit's parameters are gathered before its forward and released after it (and again around
+its backward, from C++ autograd hooks). Python only finds the units and forwards the module
+hooks; the gathering, prefetching and releasing happen in C++ (csrc/zeroshard/sharded_units.*).
+"""
+
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+import torch
+
+
+def find_units(model, class_names=()):
+    """(name, module) of every unit: the outermost submodules whose class name is in
+    class_names, or by default the children of the model's largest nn.ModuleList."""
+    if class_names:
+        wanted, units, taken = set(class_names), [], []
+        for name, module in model.named_modules():
+            if module is model or type(module).__name__ not in wanted:
+                continue
+            if any(name.startswith(t + ".") for t in taken):
+                continue  # inside a unit already
+            units.append((name, module))
+            taken.append(name)
+        if not units:
+            raise ValueError(f"zeroshard stage 3: no module of class {sorted(wanted)} in the model "
+                             f"(zeroshard.stage3_unit_classes)")
+        return units
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    name, largest = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    return [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(largest)]
+
+
+def unit_specs(model, units):
+    """One spec per unit plus the root: a parameter used by exactly one unit belongs to it;
+    the rest (including parameters shared between units, e.g. tied weights) to the root."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    owners = {}
+    for i, (_, module) in enumerate(units):
+        for p in module.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    specs = [{"name": uname, "params": [], "root": False} for uname, _ in units]
+    root = {"name": "<root>", "params": [], "root": True}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = owners.get(id(p), set())
+        (specs[next(iter(owner))] if len(owner) == 1 else root)["params"].append(name)
+    return specs + [root]
+
+
+def _tensors(output):
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+
+
+def install_hooks(core, model, units):
+    """Forward pre/post hooks on each unit and on the model (the root unit, index len(units))."""
+    handles = []
+    for index, module in enumerate([m for _, m in units] + [model]):
+        handles.append(module.register_forward_pre_hook(
+            lambda _module, _args, index=index: core.pre_forward(index)))
+        handles.append(module.register_forward_hook(
+            lambda _module, _args, output, index=index: core.post_forward(index, _tensors(output))))
+    return handles

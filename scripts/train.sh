@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 NPROC=${NPROC:-2}
-CONFIG=${CONFIG:-configs/zero2.json}
+CONFIG=${CONFIG:-configs/zero3.json}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec python3 -m torch.distributed.run --nproc-per-node "$NPROC" examples/train_gpt.py --config "$CONFIG" "$@"

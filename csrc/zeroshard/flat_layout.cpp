@@ -12,7 +12,8 @@ FlatLayout::FlatLayout(std::vector<ParamPlacement> params, int worldSize)
   for (auto& p : params_) {
     int64_t numel = 1;
     for (int64_t d : p.shape) {
-      TORCH_CHECK(d >= 0, "zeroshard::FlatLayout: parameter '", p.name, "' has a negative dimension");
+      TORCH_CHECK(d >= 0, "zeroshard::FlatLayout: parameter '", p.name, "' has negative dimension ", d,
+                  " in shape ", c10::IntArrayRef(p.shape));
       numel *= d;
     }
     p.numel = numel;

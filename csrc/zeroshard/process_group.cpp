@@ -65,7 +65,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
 
   c10d::TCPStoreOptions storeOptions;
   storeOptions.port = static_cast<uint16_t>(env.masterPort);
-  storeOptions.isServer = env.rank == 0;
+  // Under torchrun the agent already serves the store on MASTER_PORT; the ranks are all clients.
+  const char* agentStore = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  storeOptions.isServer = env.rank == 0 && !(agentStore && std::string(agentStore) == "True");
   storeOptions.numWorkers = env.worldSize;
   storeOptions.waitWorkers = false;
   storeOptions.timeout = timeout;

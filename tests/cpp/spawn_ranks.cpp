@@ -51,6 +51,14 @@ std::vector<RankOutcome> spawnRanks(
     const std::string& scenario,
     int worldSize,
     const SpawnOptions& options) {
+  return spawnRanks(program, std::vector<std::string>{scenario}, worldSize, options);
+}
+
+std::vector<RankOutcome> spawnRanks(
+    const std::string& program,
+    const std::vector<std::string>& args,
+    int worldSize,
+    const SpawnOptions& options) {
   const int port = freePort();
   std::vector<pid_t> pids(worldSize, -1);
   std::vector<std::string> logs(worldSize);
@@ -61,8 +69,9 @@ std::vector<RankOutcome> spawnRanks(
     for (char** e = environ; *e; ++e) {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
+      // Replaced below; a duplicate would win, since getenv returns the first match.
       if (key != "RANK" && key != "WORLD_SIZE" && key != "LOCAL_RANK" && key != "MASTER_ADDR" &&
-          key != "MASTER_PORT") {
+          key != "MASTER_PORT" && key != "OMP_NUM_THREADS") {
         env.push_back(kv);
       }
     }
@@ -85,13 +94,23 @@ std::vector<RankOutcome> spawnRanks(
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, logFd, STDOUT_FILENO);
     posix_spawn_file_actions_adddup2(&actions, logFd, STDERR_FILENO);
-    std::string programArg = program;
-    std::string scenarioArg = scenario;
-    char* argv[] = {programArg.data(), scenarioArg.data(), nullptr};
-    const int rc = ::posix_spawn(&pids[rank], program.c_str(), &actions, nullptr, argv, envp.data());
+    std::vector<std::string> argStrings{program};
+    argStrings.insert(argStrings.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& arg : argStrings) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    const int rc = ::posix_spawn(&pids[rank], program.c_str(), &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     ::close(logFd);
-    if (rc != 0) throw std::runtime_error("spawnRanks: cannot start " + program + ": " + std::strerror(rc));
+    if (rc != 0) {
+      // The ranks already started would wait for this one until their timeout.
+      for (int started = 0; started < rank; ++started) {
+        ::kill(pids[started], SIGKILL);
+        ::waitpid(pids[started], nullptr, 0);
+      }
+      for (int started = 0; started <= rank; ++started) std::remove(logs[started].c_str());
+      throw std::runtime_error("spawnRanks: cannot start " + program + ": " + std::strerror(rc));
+    }
   }
 
   // Poll for exits (no sleep decides an outcome: the deadline only bounds a hang).

@@ -28,6 +28,14 @@ std::vector<RankOutcome> spawnRanks(
     int worldSize,
     const SpawnOptions& options = {});
 
+// Runs `program args...` the same way (pass a named vector: a braced list of string literals
+// would also fit the overload above, and the call is ambiguous).
+std::vector<RankOutcome> spawnRanks(
+    const std::string& program,
+    const std::vector<std::string>& args,
+    int worldSize,
+    const SpawnOptions& options = {});
+
 // "rank 1 exited 1:\n<its output>" for every rank that did not exit 0 (lingering rank aside).
 std::string describeFailures(const std::vector<RankOutcome>& outcomes, int lingeringRank = -1);
 

@@ -75,8 +75,13 @@ TEST_CASE("padded size divides by the world size, shards are aligned, and paddin
       CHECK(layout.shardNumel() % FlatLayout::kShardAlignment == 0);
       CHECK(layout.shardNumel() > 0);
       CHECK(layout.paddedNumel() >= numel);
-      // Padding only: less than one alignment unit per rank beyond the parameters.
-      CHECK(layout.paddedNumel() - numel < unit);
+      // Padding only: less than one alignment unit (kShardAlignment per rank) beyond the
+      // parameters; an empty layout still gets one unit, so no rank's shard is empty.
+      if (numel > 0) {
+        CHECK(layout.paddedNumel() - numel < unit);
+      } else {
+        CHECK(layout.paddedNumel() == unit);
+      }
     }
   }
 }

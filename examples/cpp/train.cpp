@@ -1,0 +1,172 @@
+// A plain C++ training program on zeroshard: no Python anywhere.
+//
+//   torchrun --nproc-per-node 2 --no-python build/examples/cpp/zeroshard_train_example \
+//       --config configs/zero2.json [--steps 50]
+//
+// Without RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT it runs as a single rank. The model is a
+// small MLP regressing y = sin(x A) for a fixed random matrix A; every rank draws its own
+// micro-batches, the engine averages the gradients and shards the optimizer (and at stage 2 the
+// gradients). Rank 0 logs the loss averaged over ranks, and ends with
+//   final loss X (first loss Y)
+// where both are that average, at the last and the first step.
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "zeroshard/config.h"
+#include "zeroshard/engine.h"
+#include "zeroshard/process_group.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kIn = 16;
+constexpr int64_t kHidden = 64;
+constexpr int64_t kOut = 4;
+
+struct Options {
+  std::string config = "configs/zero2.json";
+  int steps = 50;
+};
+
+Options parseArgs(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--config") {
+      options.config = value();
+    } else if (arg == "--steps") {
+      options.steps = std::stoi(value());
+      if (options.steps < 1) throw std::invalid_argument("--steps must be >= 1");
+    } else {
+      throw std::invalid_argument("unknown argument " + arg + " (use --config PATH, --steps N)");
+    }
+  }
+  return options;
+}
+
+// A port the kernel just handed out, for a single-rank run's rendezvous store.
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::runtime_error("cannot find a free port for a single-rank run");
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Not launched by torchrun and nothing set by hand: one rank on this machine. If only some of
+// the variables are set, leave them: initProcessGroupFromEnv names the missing one.
+void defaultToSingleRank() {
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    if (std::getenv(name) != nullptr) return;
+  }
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(freePort()).c_str(), 1);
+}
+
+struct RegressionTask {
+  torch::Tensor map;  // [kIn, kOut], the same on every rank
+
+  // A fresh micro-batch, different on every rank and every call.
+  std::pair<torch::Tensor, torch::Tensor> sample(int64_t rows) const {
+    auto x = torch::randn({rows, kIn});
+    return {x, torch::sin(x.matmul(map))};
+  }
+};
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options options = parseArgs(argc, argv);
+    defaultToSingleRank();
+    auto processGroup = zeroshard::initProcessGroupFromEnv();
+    const int rank = processGroup->getRank();
+    const int world = processGroup->getSize();
+
+    // The same initial model and task on every rank (the engine also broadcasts rank 0's
+    // parameters); different data per rank from here on.
+    torch::manual_seed(0);
+    torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Functional(torch::tanh),
+                                torch::nn::Linear(kHidden, kHidden), torch::nn::Functional(torch::tanh),
+                                torch::nn::Linear(kHidden, kOut));
+    const RegressionTask task{torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))};
+    torch::manual_seed(1 + rank);
+
+    zeroshard::Engine engine(*model, processGroup, zeroshard::Config::fromFile(options.config));
+    const auto& batch = engine.batchSizes();
+    if (rank == 0) {
+      std::cout << "zeroshard example: " << world << " rank(s), stage " << engine.stage() << ", global batch "
+                << batch.train << " = " << batch.microPerRank << " per rank x " << batch.accumulationSteps
+                << " accumulation step(s) x " << world << " rank(s), config " << options.config << "\n";
+      for (const auto& warning : engine.config().warnings) std::cout << "config warning: " << warning << "\n";
+    }
+
+    double firstLoss = 0, lastLoss = 0;
+    for (int step = 1; step <= options.steps; ++step) {
+      auto stepLoss = torch::zeros({1});
+      for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
+        auto [x, y] = task.sample(batch.microPerRank);
+        auto loss = torch::mse_loss(model->forward(x), y);
+        engine.backward(loss);
+        engine.step();
+        stepLoss += loss.detach() / static_cast<double>(batch.accumulationSteps);
+      }
+      // Logging only: the mean over ranks of this step's loss, through the same process group.
+      std::vector<at::Tensor> reduced{stepLoss};
+      processGroup->allreduce(reduced)->wait();
+      lastLoss = stepLoss.item<double>() / world;
+      if (step == 1) firstLoss = lastLoss;
+      if (rank == 0 && (step == 1 || step % 10 == 0 || step == options.steps)) {
+        std::printf("step %4d  loss %.6f", step, lastLoss);
+        // The engine measures the global norm only when it clips.
+        if (engine.config().gradientClipping > 0) std::printf("  grad norm %.4f", engine.lastGradNorm());
+        std::printf("\n");
+      }
+    }
+
+    if (rank == 0) {
+      const auto memory = engine.memoryStats();
+      const auto& comm = engine.commStats();
+      std::cout << "model state on rank 0: params " << memory.paramBytes << " B, grads " << memory.gradBytes
+                << " B, optimizer " << memory.optimizerBytes << " B, total " << memory.totalBytes() << " B\n"
+                << "last step moved " << comm.trafficBytes() << " B";
+      for (auto kind : {zeroshard::CollectiveKind::kReduceScatter, zeroshard::CollectiveKind::kAllGather,
+                        zeroshard::CollectiveKind::kAllReduce}) {
+        std::cout << ", " << zeroshard::collectiveName(kind) << " " << comm[kind].bytes << " B";
+      }
+      std::printf("\nfinal loss %.6f (first loss %.6f)\n", lastLoss, firstLoss);
+    }
+  } catch (const std::exception& e) {
+    // zeroshard's messages say what to change; the C++ backtrace behind them rarely helps a user.
+    const auto* torchError = dynamic_cast<const c10::Error*>(&e);
+    const char* rank = std::getenv("RANK");
+    std::cerr << "rank " << (rank ? rank : "?") << ": " << (torchError ? torchError->what_without_backtrace() : e.what())
+              << "\n";
+    return 1;
+  }
+  return 0;
+}

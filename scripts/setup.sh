@@ -36,6 +36,8 @@ fi
 
 # Build (ccache keeps rebuilds cheap on 2 cores) and install in place.
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
+# Paths under the checkout hash as relative ones, so every clone shares the cache.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 export PIP_ROOT_USER_ACTION=ignore
 ZEROSHARD_BUILD_JOBS=${ZEROSHARD_BUILD_JOBS:-$(nproc)} \
   "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .

@@ -16,6 +16,7 @@
 #include "zeroshard/optimizer.h"
 #include "zeroshard/sharded_units.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,8 +70,12 @@ class Engine {
   // `units` is used at stage 3 only; empty means one root unit holding every parameter.
   Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
          Config config, std::vector<UnitSpec> units = {});
-  // Every trainable parameter of `model` in one group (defined in engine_module.cpp).
-  Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config);
+  // Every trainable parameter of `model` in one group (defined in engine_module.cpp). At stage 3,
+  // `unitModules` names the submodules that are units (e.g. {"blocks.0", "blocks.1"}); unit i is
+  // then run through runUnit(i, ...), and the whole forward through runUnit(unitModules.size(),
+  // ...) as the root unit (everything else, including parameters shared between units).
+  Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
+         const std::vector<std::string>& unitModules = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -102,6 +107,10 @@ class Engine {
   // are no-ops). postForward registers pre-backward hooks on the outputs.
   void preForward(size_t unitSpec);
   void postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs);
+  // Stage 3 for C++ programs: runs `forward` as unit `unitSpec` (gathered before, released after,
+  // gathered again for its backward). Below stage 3 it just runs `forward`.
+  at::Tensor runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward);
+  size_t numUnitSpecs() const { return specToUnit_.size(); }
   // Stage 3: make every parameter whole (blocking), and release them again.
   void gatherParameters();
   void reshardParameters();

@@ -86,6 +86,14 @@ void Engine::postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs
   if (specToUnit_[unitSpec] >= 0) units_->postForward(static_cast<size_t>(specToUnit_[unitSpec]), outputs);
 }
 
+at::Tensor Engine::runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward) {
+  if (!units_) return forward();
+  preForward(unitSpec);
+  at::Tensor out = forward();
+  postForward(unitSpec, {out});
+  return out;
+}
+
 void Engine::gatherParameters() {
   if (units_) units_->gatherAll();
 }

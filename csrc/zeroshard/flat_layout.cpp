@@ -1,5 +1,6 @@
 #include "zeroshard/flat_layout.h"
 
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -116,7 +116,21 @@ int main(int argc, char** argv) {
     const RegressionTask task{torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))};
     torch::manual_seed(1 + rank);
 
-    zeroshard::Engine engine(*model, processGroup, zeroshard::Config::fromFile(options.config));
+    // At stage 3 each Linear layer is a unit: gathered just for its forward and its backward.
+    const std::vector<std::string> units{"0", "2", "4"};
+    zeroshard::Engine engine(*model, processGroup, zeroshard::Config::fromFile(options.config), units);
+    const size_t root = units.size();
+    auto forward = [&](at::Tensor x) {
+      return engine.runUnit(root, [&] {
+        for (size_t i = 0; i < model->size(); ++i) {
+          auto& layer = model->begin()[static_cast<std::ptrdiff_t>(i)];
+          const auto unit = std::find(units.begin(), units.end(), std::to_string(i));
+          x = unit == units.end() ? layer.forward(x)
+                                  : engine.runUnit(unit - units.begin(), [&] { return layer.forward(x); });
+        }
+        return x;
+      });
+    };
     const auto& batch = engine.batchSizes();
     if (rank == 0) {
       std::cout << "zeroshard example: " << world << " rank(s), stage " << engine.stage() << ", global batch "
@@ -130,7 +144,7 @@ int main(int argc, char** argv) {
       auto stepLoss = torch::zeros({1});
       for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
         auto [x, y] = task.sample(batch.microPerRank);
-        auto loss = torch::mse_loss(model->forward(x), y);
+        auto loss = torch::mse_loss(forward(x), y);
         engine.backward(loss);
         engine.step();
         stepLoss += loss.detach() / static_cast<double>(batch.accumulationSteps);

@@ -203,3 +203,20 @@ def test_ranks_running_units_in_different_orders_get_a_clear_error():
     for message in messages:
         assert message is not None and "every rank must run the units in the same order" in message
         assert "blocks.0" in message or "blocks.1" in message
+
+
+@pytest.mark.parametrize("limit", ["max_live", "no_prefetch"])
+def test_live_and_prefetch_limits_bound_gathered_memory(limit):
+    """stage3_max_live_parameters (here: the root plus one block) and
+    stage3_prefetch_bucket_size = 0 each stop the prefetch, so at most one block is gathered
+    beside the root; the numbers do not change."""
+    world_size = 2
+    model = Variant()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    pad = lambda n: -(-n // (ALIGN * world_size)) * ALIGN * world_size  # noqa: E731
+    zero = ({"stage3_max_live_parameters": pad(root) + max(pad(b) for b in blocks)}
+            if limit == "max_live" else {"stage3_prefetch_bucket_size": 0})
+    results = _check_against_reference(world_size, {}, _config(**zero))
+    for _, _, _, mem, _ in results:
+        assert mem["gathered_peak"] == 4 * (pad(root) + max(pad(b) for b in blocks))

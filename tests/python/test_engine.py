@@ -105,8 +105,10 @@ def _errors(rank, world_size):
     partial = make_model()
     with pytest.raises(ValueError, match="are in no param group"):
         zeroshard.initialize(partial, _config(1), param_groups=[{"params": [partial.head.weight]}])
-    with pytest.raises(RuntimeError, match="stage 3 is not available"):
-        zeroshard.initialize(make_model(), _config(3))
+    unknown_units = _config(3)
+    unknown_units["zeroshard"]["stage3_unit_classes"] = ["NoSuchBlock"]
+    with pytest.raises(ValueError, match=r"no module of class \['NoSuchBlock'\]"):
+        zeroshard.initialize(make_model(), unknown_units)
     return True
 
 

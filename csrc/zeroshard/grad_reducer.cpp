@@ -109,7 +109,9 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
   if (stage_ >= 2) {
     // Copy the final gradient into the bucket's staging buffer and free it right away.
     if (!b.staging().defined()) {
-      b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
+      // Uninitialized: every parameter's region is written by its gradient, and launch()
+      // zeroes the regions of parameters that got none, and the padding.
+      b.staging() = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
     }
     b.copyGradsInto(b.staging(), param);
     b.params()[param].mutable_grad() = at::Tensor();
@@ -130,6 +132,12 @@ void GradReducer::launch(size_t bucket) {
   } else {
     if (!b.staging().defined()) {
       b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
+    } else {
+      const auto& layout = b.layout();
+      for (size_t i = 0; i < b.size(); ++i) {
+        if (!ready_[bucket][i]) b.staging().narrow(0, layout.params()[i].offset, layout.params()[i].numel).zero_();
+      }
+      b.staging().narrow(0, layout.numel(), layout.paddedNumel() - layout.numel()).zero_();
     }
     at::Tensor staging = std::move(b.staging());
     b.staging() = at::Tensor();

@@ -19,7 +19,7 @@ FlatLayout layoutOf(const std::vector<at::Tensor>& params, std::vector<std::stri
 } // namespace
 
 Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
-               int rank, int worldSize)
+               int rank, int worldSize, at::ScalarType computeDtype)
     : layout_(layoutOf(params, std::move(names), worldSize)),
       paramGroups_(std::move(paramGroups)),
       rank_(rank),
@@ -35,15 +35,41 @@ Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, s
                 " but '", layout_.params()[0].name, "' is ", options.dtype(), " on ", options.device(),
                 "; all parameters of a param group must share dtype and device");
   }
-  flatParams_ = at::zeros({layout_.paddedNumel()}, options.requires_grad(false));
+  auto flat = at::zeros({layout_.paddedNumel()}, options.requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& place = layout_.params()[i];
-    auto view = flatParams_.narrow(0, place.offset, place.numel).view(place.shape);
-    view.copy_(params_[i].detach());
-    // set_data keeps the Parameter object (and its autograd identity) while its storage
-    // becomes part of the flat buffer.
-    params_[i].set_data(view);
+    flat.narrow(0, place.offset, place.numel).view(place.shape).copy_(params_[i].detach());
   }
+  if (computeDtype == flat.scalar_type()) {
+    flatParams_ = flat;
+  } else {
+    flatParams_ = flat.to(computeDtype);
+    master_ = flat;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& place = layout_.params()[i];
+    // set_data keeps the Parameter object (and its autograd identity) while its storage
+    // becomes part of the flat buffer (and its dtype the compute dtype).
+    params_[i].set_data(flatParams_.narrow(0, place.offset, place.numel).view(place.shape));
+  }
+}
+
+void Bucket::keepMaster(bool sharded) {
+  shardedMaster_ = sharded;
+  if (master_.defined() && sharded) {
+    const auto range = layout_.shardRange(rank_);
+    master_ = master_.narrow(0, range.begin, range.numel()).clone();
+  }
+}
+
+at::Tensor Bucket::master() const {
+  if (master_.defined()) return master_;
+  return shardedMaster_ ? paramShard() : flatParams_;
+}
+
+void Bucket::pushMasterToParams() {
+  if (!master_.defined()) return;
+  (shardedMaster_ ? paramShard() : flatParams_).copy_(master_);
 }
 
 at::Tensor Bucket::paramShard() const {

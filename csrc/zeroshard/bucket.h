@@ -18,8 +18,11 @@ class Bucket {
  public:
   // paramGroups[i]: the optimizer param group of params[i] (one group per bucket at stages
   // 0-2; a stage-3 unit may mix groups).
+  // The parameters must be float32: they seed the fp32 master weights. With a 16-bit
+  // `computeDtype` the parameters become views of a flat buffer of that dtype, and the fp32
+  // values are kept apart as the master copy (never rounded through the 16-bit copy).
   Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
-         int rank, int worldSize);
+         int rank, int worldSize, at::ScalarType computeDtype = at::kFloat);
 
   const FlatLayout& layout() const { return layout_; }
   int paramGroup() const { return paramGroups_.front(); }
@@ -39,6 +42,14 @@ class Bucket {
   void releaseFlatParams();
   void materializeFlatParams();
   bool flatParamsMaterialized() const;
+
+  // The fp32 weights the optimizer updates: the full buffer (stage 0) or this rank's slice. In
+  // fp32 training they are the parameters' own storage; otherwise a separate copy that
+  // pushMasterToParams() casts back into the parameters after each step.
+  void keepMaster(bool sharded);
+  at::Tensor master() const;
+  void pushMasterToParams();
+  int64_t separateMasterBytes() const { return master_.defined() ? static_cast<int64_t>(master_.nbytes()) : 0; }
 
   // Stages 0 and 1 keep full gradients: one flat buffer whose views are the params' .grad,
   // so autograd accumulates straight into it.
@@ -66,6 +77,8 @@ class Bucket {
   std::vector<at::Tensor> params_;
   at::Tensor flatParams_;
   at::Tensor shard_;
+  at::Tensor master_;  // fp32, only when the parameters are 16-bit
+  bool shardedMaster_ = false;
   at::Tensor flatGrads_;
   at::Tensor gradShard_;
   at::Tensor staging_;

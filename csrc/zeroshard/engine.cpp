@@ -53,9 +53,10 @@ void checkParams(const std::vector<ParamGroupSpec>& groups) {
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
                Config config, std::vector<UnitSpec> units)
     : config_(std::move(config)), comm_(std::move(processGroup), timeoutOf(config_)) {
-  TORCH_CHECK(!config_.bf16.enabled && !config_.fp16.enabled,
-              "zeroshard: bf16/fp16 mixed precision is not available in this version of the engine; "
-              "set bf16.enabled and fp16.enabled to false");
+  TORCH_CHECK(!config_.fp16.enabled,
+              "zeroshard: fp16 (with dynamic loss scaling) is not available in this version of the engine; "
+              "use bf16.enabled, or fp32");
+  computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : at::kFloat;
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParams(groups);
   std::vector<UnitPolicy> policies;
@@ -66,11 +67,14 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   }
 
   // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
+  // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
   std::vector<CommHandle> handles;
-  for (auto& b : buckets_) handles.push_back(comm_.broadcast(b.flatParams(), 0));
+  for (auto& b : buckets_) handles.push_back(comm_.broadcast(b.master(), 0));
   for (auto& h : handles) h.wait();
+  for (auto& b : buckets_) b.pushMasterToParams();
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
+  for (auto& b : buckets_) b.keepMaster(/*sharded=*/stage() > 0);
   if (stage() == 3) {
     units_ = std::make_unique<ShardedUnits>(buckets_, std::move(policies), comm_,
                                             config_.zero.stage3PrefetchBucketSize,
@@ -87,15 +91,15 @@ void Engine::registerShards() {
     switch (stage()) {
       case 0:
         b.allocateFlatGrads();
-        optimizer_.addShard(b.paramGroup(), b.flatParams(), b.flatGrads());
+        optimizer_.addShard(b.paramGroup(), b.master(), b.flatGrads());
         break;
       case 1:
         b.allocateFlatGrads();
-        optimizer_.addShard(b.paramGroup(), b.paramShard(), b.flatGradShard());
+        optimizer_.addShard(b.paramGroup(), b.master(), b.flatGradShard());
         break;
       case 2:
         b.allocateGradShard();
-        optimizer_.addShard(b.paramGroup(), b.paramShard(), b.gradShard());
+        optimizer_.addShard(b.paramGroup(), b.master(), b.gradShard());
         break;
       default:
         // A unit may mix param groups: each piece of a parameter in this rank's shard is
@@ -103,7 +107,7 @@ void Engine::registerShards() {
         b.allocateGradShard();
         for (const auto& piece : b.layout().piecesInShard(rank())) {
           const int64_t length = piece.paramEnd - piece.paramBegin;
-          optimizer_.addShard(b.paramGroupOf(piece.param), b.paramShard().narrow(0, piece.shardOffset, length),
+          optimizer_.addShard(b.paramGroupOf(piece.param), b.master().narrow(0, piece.shardOffset, length),
                               b.gradShard().narrow(0, piece.shardOffset, length));
         }
     }
@@ -126,7 +130,7 @@ void Engine::buildBuckets(std::vector<ParamGroupSpec>& groups) {
       std::reverse(names.begin(), names.end());
       std::vector<int> groupIds(params.size(), static_cast<int>(g));
       buckets_.emplace_back(std::move(params), std::move(names), std::move(groupIds), comm_.rank(),
-                            comm_.worldSize());
+                            comm_.worldSize(), computeDtype_);
       params.clear();
       names.clear();
       filled = 0;
@@ -172,8 +176,10 @@ bool Engine::step() {
   if (microSteps_ % batchSizes_.accumulationSteps != 0) {
     return false;
   }
+  optimizer_.prepareGrads();
   clipGradients();
   optimizer_.step();
+  for (auto& b : buckets_) b.pushMasterToParams();
   gatherParams();
   zeroGrads();
   lastStepStats_ = comm_.stats();
@@ -238,6 +244,7 @@ MemoryStats Engine::memoryStats() const {
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   // fp32 training: the master weights are the parameters' own storage, not a copy.
   stats.optimizerBytes = optimizer_.stateBytes();
+  for (const auto& b : buckets_) stats.optimizerBytes += b.separateMasterBytes();
   return stats;
 }
 

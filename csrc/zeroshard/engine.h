@@ -89,6 +89,8 @@ class Engine {
   const Config& config() const { return config_; }
   const BatchSizes& batchSizes() const { return batchSizes_; }
   int stage() const { return static_cast<int>(config_.zero.stage); }
+  // The dtype parameters, gradients and gathers use: bf16 with bf16.enabled, else float32.
+  at::ScalarType computeDtype() const { return computeDtype_; }
   int rank() const { return comm_.rank(); }
   int worldSize() const { return comm_.worldSize(); }
   int64_t microSteps() const { return microSteps_; }
@@ -129,6 +131,7 @@ class Engine {
 
   Config config_;
   Communicator comm_;
+  at::ScalarType computeDtype_ = at::kFloat;
   BatchSizes batchSizes_;
   std::vector<Bucket> buckets_;
   ShardedAdamW optimizer_;

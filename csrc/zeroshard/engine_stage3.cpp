@@ -54,7 +54,7 @@ std::vector<UnitPolicy> Engine::buildUnits(const std::vector<ParamGroupSpec>& gr
     }
     specToUnit_.push_back(static_cast<int>(buckets_.size()));
     buckets_.emplace_back(std::move(params), std::move(names), std::move(groupIds), comm_.rank(),
-                          comm_.worldSize());
+                          comm_.worldSize(), computeDtype_);
     policies.push_back(UnitPolicy{spec.root ? false : config_.extras.reshardAfterForward, false});
   }
   for (const auto& name : allNames) {
@@ -66,7 +66,7 @@ std::vector<UnitPolicy> Engine::buildUnits(const std::vector<ParamGroupSpec>& gr
     // they save in memory; they form one unit that stays gathered and is all-gathered once
     // after each optimizer step, like stage 2.
     buckets_.emplace_back(std::move(keptParams), std::move(keptNames), std::move(keptGroups), comm_.rank(),
-                          comm_.worldSize());
+                          comm_.worldSize(), computeDtype_);
     policies.push_back(UnitPolicy{false, true});
   }
   return policies;

@@ -18,8 +18,8 @@ int ShardedAdamW::addGroup(const AdamWHyper& hyper) {
 }
 
 void ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tensor& grad) {
-  TORCH_CHECK(master.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
-              "zeroshard AdamW: master weights and gradients must be float32");
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "zeroshard AdamW: master weights must be float32");
+  TORCH_CHECK(at::isFloatingType(grad.scalar_type()), "zeroshard AdamW: gradients must be floating point");
   TORCH_CHECK(master.sizes() == grad.sizes(), "zeroshard AdamW: master and gradient shards differ in size");
   auto& g = groups_.at(group);
   g.masters.push_back(master);
@@ -29,10 +29,19 @@ void ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tenso
   g.steps.push_back(at::zeros({}, master.options()));
 }
 
+void ShardedAdamW::prepareGrads() {
+  for (auto& g : groups_) {
+    g.prepared.clear();
+    for (const auto& grad : g.grads) {
+      g.prepared.push_back(grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat));
+    }
+  }
+}
+
 double ShardedAdamW::localGradSquareSum() const {
   double sum = 0;
   for (const auto& g : groups_) {
-    for (const auto& grad : g.grads) {
+    for (const auto& grad : g.prepared) {
       sum += grad.to(at::kDouble).square().sum().item<double>();
     }
   }
@@ -41,7 +50,7 @@ double ShardedAdamW::localGradSquareSum() const {
 
 void ShardedAdamW::scaleGrads(double factor) {
   for (auto& g : groups_) {
-    for (auto& grad : g.grads) grad.mul_(factor);
+    for (auto& grad : g.prepared) grad.mul_(factor);
   }
 }
 
@@ -49,11 +58,13 @@ void ShardedAdamW::step() {
   ++steps_;
   for (auto& g : groups_) {
     if (g.masters.empty()) continue;
+    TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
     // The fused kernel reads the step it is given; torch.optim increments it first too.
     for (auto& s : g.steps) s.add_(1);
-    at::_fused_adamw_(g.masters, g.grads, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, g.hyper.lr,
+    at::_fused_adamw_(g.masters, g.prepared, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, g.hyper.lr,
                       g.hyper.beta1, g.hyper.beta2, g.hyper.weightDecay, g.hyper.eps, /*amsgrad=*/false,
                       /*maximize=*/false);
+    g.prepared.clear();
   }
 }
 

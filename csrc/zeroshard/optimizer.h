@@ -20,14 +20,18 @@ class ShardedAdamW {
  public:
   // Returns the new group's index.
   int addGroup(const AdamWHyper& hyper);
-  // Registers one shard of `group`: `master` (fp32, updated in place) and its fp32 gradient,
-  // which must stay the same tensors between steps (views into the engine's buffers).
-  // Allocates exp_avg and exp_avg_sq beside it.
+  // Registers one shard of `group`: `master` (fp32, updated in place) and its gradient (fp32,
+  // or the 16-bit compute dtype), which must stay the same tensors between steps (views into
+  // the engine's buffers). Allocates exp_avg and exp_avg_sq beside it.
   void addShard(int group, const at::Tensor& master, const at::Tensor& grad);
 
-  // Sum of squares of every registered gradient on this rank, in double.
+  // A step is prepareGrads(), then optionally localGradSquareSum()/scaleGrads() (clipping),
+  // then step(). prepareGrads() makes the fp32 gradients the step uses: the registered ones
+  // when they are fp32, otherwise fp32 copies that live until step() returns.
+  void prepareGrads();
+  // Sum of squares of every prepared gradient on this rank, in double.
   double localGradSquareSum() const;
-  // grads *= factor (clipping).
+  // Prepared grads *= factor (clipping).
   void scaleGrads(double factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
   void step();
@@ -42,6 +46,7 @@ class ShardedAdamW {
   struct Group {
     AdamWHyper hyper;
     std::vector<at::Tensor> masters, grads, expAvgs, expAvgSqs, steps;
+    std::vector<at::Tensor> prepared;  // fp32 gradients of the step in progress
   };
   std::vector<Group> groups_;
   int64_t steps_ = 0;

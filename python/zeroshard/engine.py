@@ -164,8 +164,23 @@ def initialize(model, config, process_group=None, param_groups=None):
     if process_group is None:
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
     groups = _param_groups(model, param_groups)
+    hooks = []
+    if cfg.bf16_enabled:
+        # The parameters become bf16; floating-point inputs are cast to match, as FSDP's
+        # MixedPrecisionPolicy does. Buffers keep their dtype.
+        hooks.append(model.register_forward_pre_hook(_cast_inputs(torch.bfloat16), with_kwargs=True))
     if cfg.stage != 3:
-        return Engine(model, _C.Engine(groups, process_group.group_name, cfg), cfg)
+        return Engine(model, _C.Engine(groups, process_group.group_name, cfg), cfg, hooks)
     units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
     core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
-    return Engine(model, core, cfg, stage3.install_hooks(core, model, units))
+    return Engine(model, core, cfg, hooks + stage3.install_hooks(core, model, units))
+
+
+def _cast_inputs(dtype):
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(_module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook

@@ -73,6 +73,8 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("train_micro_batch_size_per_gpu",
                              [](const Engine& e) { return e.batchSizes().microPerRank; })
       .def_property_readonly("last_grad_norm", &Engine::lastGradNorm)
+      .def_property_readonly("loss_scale", &Engine::lossScale)
+      .def_property_readonly("skipped_steps", &Engine::skippedSteps)
       .def("memory_stats",
            [](const Engine& e) {
              const auto s = e.memoryStats();

@@ -53,10 +53,8 @@ void checkParams(const std::vector<ParamGroupSpec>& groups) {
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
                Config config, std::vector<UnitSpec> units)
     : config_(std::move(config)), comm_(std::move(processGroup), timeoutOf(config_)) {
-  TORCH_CHECK(!config_.fp16.enabled,
-              "zeroshard: fp16 (with dynamic loss scaling) is not available in this version of the engine; "
-              "use bf16.enabled, or fp32");
-  computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : at::kFloat;
+  computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
+  if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParams(groups);
   std::vector<UnitPolicy> policies;
@@ -82,6 +80,9 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   }
   registerShards();
   reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage());
+  // fp16 gradients are divided by the world size before they are summed, so the sum of many
+  // ranks' scaled gradients stays inside fp16's range.
+  reducer_->setPreDivide(computeDtype_ == at::kHalf);
   if (units_) reducer_->setOnLaunched([this](size_t unit) { units_->afterGradReduce(unit); });
   comm_.resetStats();
 }
@@ -157,7 +158,10 @@ void Engine::backward(const at::Tensor& loss) {
   const int64_t accumulation = batchSizes_.accumulationSteps;
   reducer_->beginBackward(isAccumulationBoundary());
   try {
-    const at::Tensor scaled = accumulation > 1 ? loss / static_cast<double>(accumulation) : loss;
+    // fp16: the loss is scaled in fp32 (the gradient entering the fp16 graph is the scale).
+    const at::Tensor scaled = scaler_ ? loss.to(at::kFloat) * (scaler_->scale() / static_cast<double>(accumulation))
+                              : accumulation > 1 ? loss / static_cast<double>(accumulation)
+                                                 : loss;
     torch::autograd::backward({scaled});
   } catch (...) {
     reducer_->abortBackward();
@@ -177,10 +181,38 @@ bool Engine::step() {
     return false;
   }
   optimizer_.prepareGrads();
+  if (scaler_) {
+    const bool overflow = overflowed();
+    scaler_->update(overflow);
+    if (overflow) {
+      // Every rank skips: parameters and optimizer state stay as they were.
+      optimizer_.discardPrepared();
+      ++skippedSteps_;
+      finishStep();
+      return false;
+    }
+  }
   clipGradients();
   optimizer_.step();
   for (auto& b : buckets_) b.pushMasterToParams();
   gatherParams();
+  finishStep();
+  return true;
+}
+
+bool Engine::overflowed() {
+  bool overflow = optimizer_.unscaleAndCheckOverflow(1.0 / scaler_->scale());
+  if (stage() > 0) {
+    // Shards differ between ranks: one rank's inf must stop every rank's step.
+    auto flag = at::full({1}, overflow ? 1.0 : 0.0,
+                         at::TensorOptions().dtype(at::kFloat).device(buckets_.front().flatParams().device()));
+    comm_.allReduce(flag).wait();
+    overflow = flag.item<float>() > 0;
+  }
+  return overflow;
+}
+
+void Engine::finishStep() {
   zeroGrads();
   lastStepStats_ = comm_.stats();
   comm_.resetStats();
@@ -188,7 +220,6 @@ bool Engine::step() {
     lastPeakGatheredBytes_ = units_->peakGatheredBytes();
     units_->resetPeak();
   }
-  return true;
 }
 
 void Engine::clipGradients() {

@@ -13,6 +13,7 @@
 #include "zeroshard/bucket.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/config.h"
+#include "zeroshard/loss_scaler.h"
 #include "zeroshard/optimizer.h"
 #include "zeroshard/sharded_units.h"
 
@@ -96,6 +97,9 @@ class Engine {
   int64_t microSteps() const { return microSteps_; }
   int64_t globalSteps() const { return optimizer_.stepCount(); }
   bool isAccumulationBoundary() const;
+  // fp16: the current loss scale (1 otherwise), and the boundaries skipped for an overflow.
+  double lossScale() const { return scaler_ ? scaler_->scale() : 1.0; }
+  int64_t skippedSteps() const { return skippedSteps_; }
   // The global gradient norm before clipping, from the last optimizer step (0 before any).
   double lastGradNorm() const { return lastGradNorm_; }
 
@@ -126,12 +130,16 @@ class Engine {
   std::vector<UnitPolicy> buildUnits(const std::vector<ParamGroupSpec>& groups, const std::vector<UnitSpec>& units);
   void registerShards();
   void clipGradients();
+  bool overflowed();
+  void finishStep();
   void gatherParams();
   void zeroGrads();
 
   Config config_;
   Communicator comm_;
   at::ScalarType computeDtype_ = at::kFloat;
+  std::optional<LossScaler> scaler_;
+  int64_t skippedSteps_ = 0;
   BatchSizes batchSizes_;
   std::vector<Bucket> buckets_;
   ShardedAdamW optimizer_;

@@ -124,7 +124,11 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
 void GradReducer::launch(size_t bucket) {
   auto& b = buckets_[bucket];
   launched_[bucket] = 1;
-  const double mean = 1.0 / comm_.worldSize();
+  double mean = 1.0 / comm_.worldSize();
+  if (preDivide_ && stage_ < 2) {
+    b.flatGrads().mul_(mean);
+    mean = 1.0;
+  }
   if (stage_ == 0) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
   } else if (stage_ == 1) {
@@ -141,6 +145,10 @@ void GradReducer::launch(size_t bucket) {
     }
     at::Tensor staging = std::move(b.staging());
     b.staging() = at::Tensor();
+    if (preDivide_) {
+      staging.mul_(mean);
+      mean = 1.0;
+    }
     const at::Tensor& shard = b.gradShard();
     if (!shardHasData_[bucket] && staging.scalar_type() == shard.scalar_type()) {
       // First micro-batch of the window: reduce straight into the shard.

@@ -44,6 +44,8 @@ class GradReducer {
   void onGradReady(size_t bucket, size_t param);
   // Stage 3: told each time a bucket's reduce-scatter has started (its parameters can go).
   void setOnLaunched(std::function<void(size_t)> onLaunched) { onLaunched_ = std::move(onLaunched); }
+  // Divide gradients by the world size before summing them (fp16), instead of after.
+  void setPreDivide(bool preDivide) { preDivide_ = preDivide; }
 
  private:
   struct InFlight {
@@ -66,6 +68,7 @@ class GradReducer {
   std::vector<char> shardHasData_;
   std::vector<InFlight> inFlight_;
   std::function<void(size_t)> onLaunched_;
+  bool preDivide_ = false;
   struct HookHandle;
   std::vector<std::unique_ptr<HookHandle>> hooks_;
 };

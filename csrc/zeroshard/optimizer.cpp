@@ -1,6 +1,8 @@
 #include "zeroshard/optimizer.h"
 
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
@@ -36,6 +38,22 @@ void ShardedAdamW::prepareGrads() {
       g.prepared.push_back(grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat));
     }
   }
+}
+
+bool ShardedAdamW::unscaleAndCheckOverflow(double inverseScale) {
+  bool overflow = false;
+  for (auto& g : groups_) {
+    if (g.prepared.empty()) continue;
+    const auto options = g.prepared.front().options();
+    auto found = at::full({1}, 0.0, options);
+    at::_amp_foreach_non_finite_check_and_unscale_(g.prepared, found, at::full({}, inverseScale, options));
+    overflow = overflow || found.item<float>() != 0.0f;
+  }
+  return overflow;
+}
+
+void ShardedAdamW::discardPrepared() {
+  for (auto& g : groups_) g.prepared.clear();
 }
 
 double ShardedAdamW::localGradSquareSum() const {

@@ -29,6 +29,11 @@ class ShardedAdamW {
   // then step(). prepareGrads() makes the fp32 gradients the step uses: the registered ones
   // when they are fp32, otherwise fp32 copies that live until step() returns.
   void prepareGrads();
+  // fp16: multiplies the prepared gradients by `inverseScale` and reports whether any holds an
+  // inf or NaN on this rank.
+  bool unscaleAndCheckOverflow(double inverseScale);
+  // Drops the prepared gradients of a step that is skipped.
+  void discardPrepared();
   // Sum of squares of every prepared gradient on this rank, in double.
   double localGradSquareSum() const;
   // Prepared grads *= factor (clipping).

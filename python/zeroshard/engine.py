@@ -165,10 +165,11 @@ def initialize(model, config, process_group=None, param_groups=None):
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
     groups = _param_groups(model, param_groups)
     hooks = []
-    if cfg.bf16_enabled:
-        # The parameters become bf16; floating-point inputs are cast to match, as FSDP's
+    if cfg.bf16_enabled or cfg.fp16_enabled:
+        # The parameters become 16-bit; floating-point inputs are cast to match, as FSDP's
         # MixedPrecisionPolicy does. Buffers keep their dtype.
-        hooks.append(model.register_forward_pre_hook(_cast_inputs(torch.bfloat16), with_kwargs=True))
+        dtype = torch.bfloat16 if cfg.bf16_enabled else torch.float16
+        hooks.append(model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
     if cfg.stage != 3:
         return Engine(model, _C.Engine(groups, process_group.group_name, cfg), cfg, hooks)
     units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)

@@ -1,0 +1,99 @@
+"""fp16 with DeepSpeed's loss scaling: overflow skips the step on every rank, hysteresis,
+growth after loss_scale_window clean steps, min_loss_scale, static scales, and training that
+follows fp32."""
+
+import pytest
+import torch
+
+from models import global_batch, make_model
+from spawn import run_ranks
+
+MICRO = 2
+
+
+def _config(stage, **fp16):
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "fp16": {"enabled": True, **fp16},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zeroshard": {"collective_timeout_seconds": 30},
+    }
+
+
+def _run(rank, world_size, stage, fp16, inject_at, steps):
+    """Trains `steps` steps; on the steps in inject_at, rank 1 alone gets an inf gradient.
+    Returns per step: (loss scale after it, whether the optimizer stepped, whether the
+    parameters changed), and the skipped-step count."""
+    import zeroshard
+
+    model = make_model()
+    engine = zeroshard.initialize(model, _config(stage, **fp16))
+    history = []
+    for step in range(steps):
+        before = engine.full_state_dict()
+        tokens = global_batch(step, MICRO * world_size)
+        loss = model.loss(tokens[rank * MICRO:(rank + 1) * MICRO])
+        if step in inject_at and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        stepped = engine.step()
+        after = engine.full_state_dict()
+        changed = any(not torch.equal(before[k], after[k]) for k in before)
+        history.append((engine.loss_scale, stepped, changed))
+    return history, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overflow_on_one_rank_skips_the_step_everywhere_and_scale_follows_deepspeed(stage):
+    fp16 = {"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}
+    for history, skipped in run_ranks(_run, 2, stage, fp16, {1, 2}, 7):
+        scales = [h[0] for h in history]
+        # Overflow 1 spends the hysteresis, overflow 2 halves; the 4th clean step after it doubles.
+        assert scales == [256, 256, 128, 128, 128, 128, 256]
+        assert [h[1] for h in history] == [True, False, False, True, True, True, True]
+        assert [h[2] for h in history] == [True, False, False, True, True, True, True]
+        assert skipped == 2
+
+
+def test_scale_never_drops_below_min_loss_scale():
+    fp16 = {"initial_scale_power": 1, "hysteresis": 1, "min_loss_scale": 1}
+    history, skipped = run_ranks(_run, 2, 2, fp16, {0, 1, 2}, 3)[0]
+    assert [h[0] for h in history] == [1, 1, 1]
+    assert skipped == 3
+
+
+def test_static_loss_scale_skips_overflows_and_never_changes():
+    history, skipped = run_ranks(_run, 2, 2, {"loss_scale": 128}, {1}, 6)[0]
+    assert [h[0] for h in history] == [128] * 6
+    assert [h[1] for h in history] == [True, False, True, True, True, True]
+    assert skipped == 1
+
+
+def _losses(rank, world_size, precision):
+    import torch.distributed as dist
+    import zeroshard
+
+    model = make_model()
+    config = _config(2, initial_scale_power=10)
+    if precision == "fp32":
+        del config["fp16"]
+    engine = zeroshard.initialize(model, config)
+    losses = []
+    for step in range(6):
+        tokens = global_batch(step, MICRO * world_size)
+        loss = model.loss(tokens[rank * MICRO:(rank + 1) * MICRO])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses, engine.skipped_steps
+
+
+def test_fp16_training_follows_fp32():
+    fp16, skipped = run_ranks(_losses, 2, "fp16")[0]
+    fp32, _ = run_ranks(_losses, 2, "fp32")[0]
+    assert skipped == 0
+    assert fp16 == pytest.approx(fp32, rel=1e-2)
+    assert fp16[-1] < fp16[0]

@@ -93,7 +93,8 @@ void bindConfig(py::module_& m) {
   py::class_<ZeroshardExtras>(m, "ZeroshardExtras", "The \"zeroshard\" section (read-only).")
       .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds)
       .def_readonly("reshard_after_forward", &ZeroshardExtras::reshardAfterForward)
-      .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses);
+      .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses)
+      .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype);
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",

@@ -153,7 +153,8 @@ std::string Config::toJsonString() const {
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
   j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds},
                     {"reshard_after_forward", extras.reshardAfterForward},
-                    {"stage3_unit_classes", extras.unitClasses}};
+                    {"stage3_unit_classes", extras.unitClasses},
+                    {"reduce_dtype", extras.reduceDtype}};
   return j.dump(2);
 }
 

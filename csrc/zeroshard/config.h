@@ -81,6 +81,9 @@ struct ZeroshardExtras {
   // Stage 3: module class names whose instances are units; empty = the children of the
   // model's largest nn.ModuleList (the usual transformer blocks).
   std::vector<std::string> unitClasses;
+  // With bf16/fp16: "compute" reduces gradients in the compute dtype (half the bytes on the
+  // wire), "fp32" in float32 (exact sums, twice the bytes).
+  std::string reduceDtype = "compute";
 };
 
 struct Config {

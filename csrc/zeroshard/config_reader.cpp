@@ -293,6 +293,13 @@ void ConfigReader::readTopLevel(const Json& root) {
     readNumber(*extras, "zeroshard", "collective_timeout_seconds", kPositive,
                config_.extras.collectiveTimeoutSeconds);
     readBool(*extras, "zeroshard", "reshard_after_forward", config_.extras.reshardAfterForward);
+    if (extras->contains("reduce_dtype")) {
+      const Json& value = (*extras)["reduce_dtype"];
+      if (!value.is_string() || (value != "compute" && value != "fp32")) {
+        fail("zeroshard.reduce_dtype: must be \"compute\" or \"fp32\", got " + value.dump());
+      }
+      config_.extras.reduceDtype = value.get<std::string>();
+    }
     if (extras->contains("stage3_unit_classes")) {
       const Json& classes = (*extras)["stage3_unit_classes"];
       const std::string where = "zeroshard.stage3_unit_classes";

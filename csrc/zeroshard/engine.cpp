@@ -83,6 +83,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   // fp16 gradients are divided by the world size before they are summed, so the sum of many
   // ranks' scaled gradients stays inside fp16's range.
   reducer_->setPreDivide(computeDtype_ == at::kHalf);
+  reducer_->setReduceInFloat(config_.extras.reduceDtype == "fp32");
   if (units_) reducer_->setOnLaunched([this](size_t unit) { units_->afterGradReduce(unit); });
   comm_.resetStats();
 }

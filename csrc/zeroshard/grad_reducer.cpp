@@ -129,7 +129,16 @@ void GradReducer::launch(size_t bucket) {
     b.flatGrads().mul_(mean);
     mean = 1.0;
   }
-  if (stage_ == 0) {
+  const bool widen = reduceInFloat_ && b.flatParams().scalar_type() != at::kFloat;
+  if (stage_ < 2 && widen) {
+    // Sum in fp32, then round the result into the 16-bit gradients once.
+    auto wide = b.flatGrads().to(at::kFloat);
+    const auto range = b.layout().shardRange(comm_.rank());
+    auto target = stage_ == 0 ? b.flatGrads() : b.flatGradShard();
+    auto result = stage_ == 0 ? wide : wide.narrow(0, range.begin, range.numel());
+    inFlight_.push_back({stage_ == 0 ? comm_.allReduce(wide, mean) : comm_.reduceScatter(wide, result, mean),
+                         [target, result]() mutable { target.copy_(result); }});
+  } else if (stage_ == 0) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
   } else if (stage_ == 1) {
     inFlight_.push_back({comm_.reduceScatter(b.flatGrads(), b.flatGradShard(), mean), {}});
@@ -145,6 +154,7 @@ void GradReducer::launch(size_t bucket) {
     }
     at::Tensor staging = std::move(b.staging());
     b.staging() = at::Tensor();
+    if (widen) staging = staging.to(at::kFloat);  // the fp32 shard then takes the sum directly
     if (preDivide_) {
       staging.mul_(mean);
       mean = 1.0;

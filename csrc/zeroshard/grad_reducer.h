@@ -46,6 +46,8 @@ class GradReducer {
   void setOnLaunched(std::function<void(size_t)> onLaunched) { onLaunched_ = std::move(onLaunched); }
   // Divide gradients by the world size before summing them (fp16), instead of after.
   void setPreDivide(bool preDivide) { preDivide_ = preDivide; }
+  // Reduce 16-bit gradients in float32 (zeroshard.reduce_dtype = "fp32").
+  void setReduceInFloat(bool reduceInFloat) { reduceInFloat_ = reduceInFloat; }
 
  private:
   struct InFlight {
@@ -69,6 +71,7 @@ class GradReducer {
   std::vector<InFlight> inFlight_;
   std::function<void(size_t)> onLaunched_;
   bool preDivide_ = false;
+  bool reduceInFloat_ = false;
   struct HookHandle;
   std::vector<std::unique_ptr<HookHandle>> hooks_;
 };

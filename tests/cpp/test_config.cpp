@@ -180,6 +180,7 @@ TEST_CASE("out-of-range values name the key, the value and what is allowed") {
       {R"({"zeroshard": {"collective_timeout_seconds": 0}})", "zeroshard.collective_timeout_seconds: must be > 0, got 0"},
       {R"({"zeroshard": {"stage3_unit_classes": "Block"}})", "zeroshard.stage3_unit_classes: must be a list of module class names"},
       {R"({"zeroshard": {"stage3_unit_classes": [3]}})", "zeroshard.stage3_unit_classes: every entry must be a non-empty class name string"},
+      {R"({"zeroshard": {"reduce_dtype": "fp64"}})", "zeroshard.reduce_dtype: must be \"compute\" or \"fp32\", got \"fp64\""},
   };
   for (const auto& c : cases) {
     REQUIRE(missing(errorOf(c.json), c.expected) == "");
@@ -498,7 +499,7 @@ TEST_CASE("toJsonString round-trips every field exactly") {
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 123, "allgather_bucket_size": 456,
                           "contiguous_gradients": false, "stage3_prefetch_bucket_size": 0,
                           "stage3_param_persistence_threshold": 9, "stage3_max_live_parameters": 10},
-    "zeroshard": {"collective_timeout_seconds": 12.5, "reshard_after_forward": false,
+    "zeroshard": {"collective_timeout_seconds": 12.5, "reshard_after_forward": false, "reduce_dtype": "fp32",
                   "stage3_unit_classes": ["Block", "DecoderLayer"]},
     "steps_per_print": 1
   })");
@@ -511,6 +512,7 @@ TEST_CASE("toJsonString round-trips every field exactly") {
   CHECK(!back.gradientAccumulationSteps.has_value());
   CHECK(back.gradientClipping == original.gradientClipping);
   CHECK(!back.extras.reshardAfterForward);
+  CHECK(back.extras.reduceDtype == "fp32");
   CHECK(back.extras.unitClasses == std::vector<std::string>{"Block", "DecoderLayer"});
   CHECK(back.fp16.enabled == original.fp16.enabled);
   CHECK(back.fp16.lossScale == original.fp16.lossScale);

@@ -155,3 +155,31 @@ def test_small_updates_accumulate_in_the_fp32_master(stage):
     accumulates the steps until most of them move."""
     moved_once, moved_later = run_ranks(_tiny_steps, 1, stage)[0]
     assert moved_later > 0.5 and moved_later > moved_once
+
+
+def _reduce_dtype(rank, world_size, stage, reduce_dtype):
+    import zeroshard
+
+    model = make_model()
+    config = _config(stage)
+    config["zeroshard"]["reduce_dtype"] = reduce_dtype
+    engine = zeroshard.initialize(model, config)
+    for step in range(STEPS):
+        tokens = global_batch(step, MICRO * world_size)
+        engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+    return engine.comm_stats(), engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_reduce_dtype_fp32_sums_gradients_in_fp32(stage):
+    """zeroshard.reduce_dtype = "fp32" puts fp32 on the wire for gradients (twice the bytes of
+    the bf16 default) while parameters are still gathered in bf16, and trains the same."""
+    world_size = 2
+    wide = run_ranks(_reduce_dtype, world_size, stage, "fp32")[0]
+    narrow = run_ranks(_reduce_dtype, world_size, stage, "compute")[0]
+    kind = "all_reduce" if stage == 0 else "reduce_scatter"
+    assert wide[0][kind]["bytes"] == 2 * narrow[0][kind]["bytes"] > 0
+    assert wide[0]["all_gather"]["bytes"] == narrow[0]["all_gather"]["bytes"]
+    for name, value in narrow[1].items():
+        _assert_bf16_close(wide[1][name], value, f"stage {stage}, {name}")

@@ -144,7 +144,9 @@ int main(int argc, char** argv) {
       auto stepLoss = torch::zeros({1});
       for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
         auto [x, y] = task.sample(batch.microPerRank);
-        auto loss = torch::mse_loss(forward(x), y);
+        // With bf16/fp16 configs the parameters are 16-bit: inputs go in at that dtype, and the
+        // loss is taken in fp32.
+        auto loss = torch::mse_loss(forward(x.to(engine.computeDtype())).to(torch::kFloat), y);
         engine.backward(loss);
         engine.step();
         stepLoss += loss.detach() / static_cast<double>(batch.accumulationSteps);

@@ -126,8 +126,8 @@ void Bucket::attachGradViews() {
   }
 }
 
-void Bucket::allocateGradShard() {
-  gradShard_ = at::zeros({layout_.shardNumel()}, flatParams_.options().dtype(at::kFloat));
+void Bucket::allocateGradShard(at::ScalarType dtype) {
+  gradShard_ = at::zeros({layout_.shardNumel()}, flatParams_.options().dtype(dtype));
 }
 
 void Bucket::copyGradsInto(const at::Tensor& flat, size_t param) const {

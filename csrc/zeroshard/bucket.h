@@ -59,8 +59,8 @@ class Bucket {
   // Points every param's .grad back at its view (after a user set .grad to None).
   void attachGradViews();
 
-  // Stage 2 keeps only this rank's fp32 gradient shard, accumulated across micro-batches.
-  void allocateGradShard();
+  // Stages 2 and 3 keep only this rank's gradient shard, accumulated across micro-batches.
+  void allocateGradShard(at::ScalarType dtype);
   const at::Tensor& gradShard() const { return gradShard_; }
 
   // Stage 2: a full-size buffer the params' gradients are copied into as they become final,

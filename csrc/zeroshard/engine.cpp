@@ -88,6 +88,16 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   comm_.resetStats();
 }
 
+// Note [gradient shard dtype]: the shard holds what the reduce-scatter delivers. With 16-bit
+// gradients on the wire and one micro-batch per step that is a 16-bit value already, so the
+// shard is 16-bit (DESIGN.md's 2 bytes of gradient); it is fp32 when it must accumulate several
+// micro-batches or receives fp32 sums (reduce_dtype "fp32").
+at::ScalarType Engine::gradShardDtype() const {
+  const bool accumulates = batchSizes_.accumulationSteps > 1;
+  const bool wideSums = config_.extras.reduceDtype == "fp32";
+  return accumulates || wideSums ? at::kFloat : computeDtype_;
+}
+
 void Engine::registerShards() {
   for (auto& b : buckets_) {
     switch (stage()) {
@@ -100,13 +110,13 @@ void Engine::registerShards() {
         optimizer_.addShard(b.paramGroup(), b.master(), b.flatGradShard());
         break;
       case 2:
-        b.allocateGradShard();
+        b.allocateGradShard(gradShardDtype());
         optimizer_.addShard(b.paramGroup(), b.master(), b.gradShard());
         break;
       default:
         // A unit may mix param groups: each piece of a parameter in this rank's shard is
         // registered with its own group (padding gets no optimizer state).
-        b.allocateGradShard();
+        b.allocateGradShard(gradShardDtype());
         for (const auto& piece : b.layout().piecesInShard(rank())) {
           const int64_t length = piece.paramEnd - piece.paramBegin;
           optimizer_.addShard(b.paramGroupOf(piece.param), b.master().narrow(0, piece.shardOffset, length),

@@ -129,6 +129,7 @@ class Engine {
   void buildBuckets(std::vector<ParamGroupSpec>& groups);
   std::vector<UnitPolicy> buildUnits(const std::vector<ParamGroupSpec>& groups, const std::vector<UnitSpec>& units);
   void registerShards();
+  at::ScalarType gradShardDtype() const;
   void clipGradients();
   bool overflowed();
   void finishStep();

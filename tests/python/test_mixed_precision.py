@@ -105,8 +105,9 @@ def test_bf16_stages_follow_the_fp32_master_recipe(world_size):
 
 def test_bf16_memory_follows_the_mixed_precision_formulas():
     """Per rank: 2-byte params and grads, fp32 master + exp_avg + exp_avg_sq (12 bytes).
-    stage 0: 16Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 16Ψ/N (the gradient shard accumulates in
-    fp32); stage 3: 18Ψ/N, the optimizer part covering only the unpadded elements."""
+    stage 0: 16Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N; stage 3: 16Ψ/N, the optimizer part
+    covering only the unpadded elements. (With accumulation the gradient shard is fp32:
+    test_accumulating_gradient_shards_are_fp32.)"""
     world_size = 2
     results = run_ranks(_train, world_size)
     model = make_model()
@@ -117,13 +118,13 @@ def test_bf16_memory_follows_the_mixed_precision_formulas():
         mem = {stage: rank_results[stage][2] for stage in rank_results}
         assert (mem[0]["params"], mem[0]["grads"], mem[0]["optimizer"]) == (2 * padded, 2 * padded, 12 * padded)
         assert (mem[1]["params"], mem[1]["grads"], mem[1]["optimizer"]) == (2 * padded, 2 * padded, 12 * padded // n)
-        assert (mem[2]["params"], mem[2]["grads"], mem[2]["optimizer"]) == (2 * padded, 4 * padded // n, 12 * padded // n)
+        assert (mem[2]["params"], mem[2]["grads"], mem[2]["optimizer"]) == (2 * padded, 2 * padded // n, 12 * padded // n)
     # Stage 3 units are the two blocks and the root, each padded on its own.
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     units = [-(-u // (ALIGN * n)) * ALIGN * n for u in blocks + [numel - sum(blocks)]]
     stage3 = [r[3][2] for r in results]
     for mem in stage3:
-        assert mem["params"] == 2 * sum(units) // n and mem["grads"] == 4 * sum(units) // n
+        assert mem["params"] == 2 * sum(units) // n and mem["grads"] == 2 * sum(units) // n
     # exp_avg + exp_avg_sq cover every element once across ranks; the master copy is per shard.
     assert sum(m["optimizer"] - 4 * sum(units) // n for m in stage3) == 8 * numel
 
@@ -183,3 +184,25 @@ def test_reduce_dtype_fp32_sums_gradients_in_fp32(stage):
     assert wide[0]["all_gather"]["bytes"] == narrow[0]["all_gather"]["bytes"]
     for name, value in narrow[1].items():
         _assert_bf16_close(wide[1][name], value, f"stage {stage}, {name}")
+
+
+def _accumulating(rank, world_size):
+    import zeroshard
+
+    model = make_model()
+    config = _config(2)
+    config["gradient_accumulation_steps"] = 2
+    engine = zeroshard.initialize(model, config)
+    tokens = global_batch(0, 2 * MICRO * world_size)
+    for micro in range(2):
+        start = (micro * world_size + rank) * MICRO
+        engine.backward(model.loss(tokens[start:start + MICRO]))
+        engine.step()
+    return engine.memory_stats()["grads"], engine.memory_stats()["params"]
+
+
+def test_accumulating_gradient_shards_are_fp32():
+    """Accumulating micro-batches in a 16-bit shard would round every addition: with
+    gradient_accumulation_steps > 1 the stage-2 gradient shard is fp32 (4Ψ/N bytes)."""
+    grads, params = run_ranks(_accumulating, 2)[0]
+    assert grads == 4 * (params // 2) // 2

@@ -26,192 +26,15 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "python"))
 
 from gpt import make_model, next_token_loss, token_batch  # noqa: E402
-from stage_report import MB, check, loss_reference, render, render_losses, render_memory, summarize  # noqa: E402
+from stage_report import MB, check, fp32_formulas, loss_reference, render, render_losses, render_memory, summarize  # noqa: E402
+from steps import FP32_CONFIGS as CONFIGS, fused_adamw_works, make_step  # noqa: E402
 
-CONFIGS = ("zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "ddp",
-           "ddp+zero-redundancy", "fsdp2")
+LOSS_TOLERANCE = 1e-3  # relative, held-out loss against ddp's: every config computes the same fp32 steps
 
 
 def _rss_bytes():
     # ru_maxrss is in KiB on Linux: the peak resident set of this process so far.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _local(t):
-    # A DTensor's nbytes is the global tensor's; this rank holds only its local shard.
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _nbytes(tensors):
-    return sum(_local(t).nbytes for t in tensors if t is not None)
-
-
-def _optimizer_state_bytes(state):
-    return sum(_local(v).nbytes for s in state.values() for v in s.values() if torch.is_tensor(v))
-
-
-def _adamw_kwargs(s):
-    return dict(lr=s["lr"], weight_decay=s["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
-
-
-def _torch_adamw(params, s):
-    kwargs = _adamw_kwargs(s)
-    if s["fused"]:
-        kwargs["fused"] = True
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def _torch_adamw_name(s):
-    return "torch.optim.AdamW" + ("(fused=True)" if s["fused"] else "")
-
-
-def _fused_adamw_works():
-    try:
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
-        return True
-    except (RuntimeError, ValueError):
-        return False
-
-
-def _ddp_bucket_bytes(ddp):
-    """Bytes of DDP's gradient buckets: separate from .grad unless gradient_as_bucket_view."""
-    data = ddp._get_ddp_logging_data()  # private, but the only place DDP reports its buckets
-    sizes = data.get("bucket_sizes")
-    if not sizes or data.get("gradient_as_bucket_view"):
-        return 0 if sizes else None
-    return sum(int(s) for s in str(sizes).split(",") if s.strip())
-
-
-class ZeroshardStep:
-    def __init__(self, model, stage, s):
-        import zeroshard
-
-        config = {
-            "train_micro_batch_size_per_gpu": s["batch"],
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {**_adamw_kwargs(s), "betas": [0.9, 0.999]}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": s["bucket_elems"]},
-        }
-        if stage == 3:
-            # Default prefetch and reshard_after_forward; units named by class rather than found
-            # as the largest nn.ModuleList, so they are the blocks fsdp2 shards whatever gpt.py's
-            # layout. Below the threshold only biases and LayerNorms stay gathered.
-            config["zero_optimization"]["stage3_param_persistence_threshold"] = s["persistence_threshold"]
-            config["zeroshard"] = {"stage3_unit_classes": ["Block"]}
-        self.engine = zeroshard.initialize(model, config)
-        self.optimizer_name = "zeroshard sharded AdamW (at::_fused_adamw_)"
-
-    def __call__(self, tokens):
-        loss = next_token_loss(self.engine(tokens[:, :-1]), tokens)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss
-
-    def memory(self):
-        m = self.engine.memory_stats()
-        # gathered_peak: the most gathered full-parameter bytes alive at once during the last
-        # step (stage 3 only; below it every parameter is always whole). Not part of the total.
-        return dict(params=m["params"], grads=m["grads"], optimizer=m["optimizer"], comm_buffers=0,
-                    total=m["total"], gathered_peak=m["gathered_peak"] if self.engine.stage == 3 else None)
-
-    def extras(self):
-        return {"comm_stats": self.engine.comm_stats(), "memory_stats": self.engine.memory_stats()}
-
-
-class DDPStep:
-    """DDP + torch.optim.AdamW, or DDP + ZeroRedundancyOptimizer(AdamW) (its documented use)."""
-
-    def __init__(self, model, zero, s):
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.model = model
-        # Bucket capacity as close as DDP allows to zeroshard's reduce_bucket_size.
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=s["bucket_elems"] * 4 / 2**20)
-        if zero:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            kwargs = _adamw_kwargs(s)
-            if s["fused"]:
-                kwargs["fused"] = True
-            self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
-            self.local_state = self.optimizer.optim.state
-            self.optimizer_name = f"ZeroRedundancyOptimizer({_torch_adamw_name(s)})"
-        else:
-            self.optimizer = _torch_adamw(model.parameters(), s)
-            self.local_state = self.optimizer.state
-            self.optimizer_name = _torch_adamw_name(s)
-
-    def __call__(self, tokens):
-        # Zeroing first leaves the last step's gradients alive at the end, where memory is read.
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = next_token_loss(self.ddp(tokens[:, :-1]), tokens)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def memory(self):
-        params = list(self.model.parameters())
-        buckets = _ddp_bucket_bytes(self.ddp)
-        m = dict(params=_nbytes(params), grads=_nbytes(p.grad for p in params),
-                 optimizer=_optimizer_state_bytes(self.local_state), comm_buffers=buckets)
-        m["total"] = m["params"] + m["grads"] + m["optimizer"] + (buckets or 0)
-        return m
-
-    def extras(self):
-        # Logging data keeps the construction-time buckets (one, until the first backward
-        # rebuilds them); the reducer's own copies show the buckets actually in use.
-        current = [b.buffer().nbytes for b in self.ddp.reducer._get_zeros_like_grad_buckets()]
-        return {"ddp_bucket_bytes_at_construction": str(self.ddp._get_ddp_logging_data().get("bucket_sizes")),
-                "ddp_bucket_bytes": current}
-
-
-class FSDP2Step:
-    """FSDP2's standard recipe: fully_shard on every block, then on the root (which takes the
-    embeddings, final norm and head), reshard_after_forward=True; AdamW on the DTensor shards."""
-
-    def __init__(self, model, s):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        # fused=True runs on CPU DTensor parameters (checked with torch 2.13: same losses as
-        # foreach and the default), so fsdp2 uses whatever the DDP rows use.
-        self.optimizer = _torch_adamw(model.parameters(), s)
-        self.optimizer_name = _torch_adamw_name(s) + " on DTensor shards"
-
-    def __call__(self, tokens):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = next_token_loss(self.model(tokens[:, :-1]), tokens)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def memory(self):
-        # Local shards only: after backward every unit is resharded, and .grad is the
-        # reduce-scattered shard. FSDP2's all-gather and reduce-scatter buffers are transient.
-        params = list(self.model.parameters())
-        m = dict(params=_nbytes(params), grads=_nbytes(p.grad for p in params),
-                 optimizer=_optimizer_state_bytes(self.optimizer.state), comm_buffers=0)
-        m["total"] = m["params"] + m["grads"] + m["optimizer"]
-        return m
-
-    def extras(self):
-        return {}
-
-
-def _make_step(name, model, s):
-    if name.startswith("zeroshard-stage"):
-        return ZeroshardStep(model, int(name[-1]), s)
-    if name == "fsdp2":
-        return FSDP2Step(model, s)
-    return DDPStep(model, zero=(name == "ddp+zero-redundancy"), s=s)
 
 
 def run_config(rank, world_size, name, s):
@@ -220,7 +43,7 @@ def run_config(rank, world_size, name, s):
     model = make_model(s["seed"], **s["model"])
     vocab = s["model"]["vocab"]
     batches = [token_batch(s["seed"], i, rank, s["batch"], s["seq"], vocab) for i in range(s["warmup"] + s["steps"])]
-    step = _make_step(name, model, s)
+    step = make_step(name, model, s)
 
     times, cpu_times, losses = [], [], []
     load_before = os.getloadavg()
@@ -238,10 +61,14 @@ def run_config(rank, world_size, name, s):
 
     memory = step.memory()
     # The same held-out batch on every rank checks the final parameters, not only the last step.
+    # Forward in the config's own precision (autocast for ddp-autocast); the cross-entropy in
+    # fp32 so that a bf16 loss's 3 significant digits do not blur the comparison.
     model.eval()
     with torch.no_grad():
         held_out = token_batch(s["seed"] + 1, 0, 0, s["batch"], s["seq"], vocab)
-        eval_loss = next_token_loss(model(held_out[:, :-1]), held_out).item()
+        with step.forward_context():
+            logits = model(held_out[:, :-1])
+        eval_loss = next_token_loss(logits.float(), held_out).item()
     peak_rss = _rss_bytes()  # before extras(), which may allocate
     return dict(rank=rank, config=name, optimizer=step.optimizer_name, step_seconds=times,
                 step_cpu_seconds=cpu_times, losses=losses, load_average=(load_before[0], load_after[0]),
@@ -258,40 +85,47 @@ def _spawned_rank(rank, world_size, name, s):
 # Launch
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per config (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="run every config this many times, in alternating order (default 2)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 2 warm-up + 5 timed steps")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+def build_parser(doc, configs, steps=20, warmup=5, rounds=2, batch=8, quick="1 round of 2 warm-up + 5 timed steps"):
+    """The command line of bench_stages.py; bench_bf16.py builds the same one with its defaults."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps, help=f"timed steps per config (default {steps})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
+    p.add_argument("--rounds", type=int, default=rounds,
+                   help=f"run every config this many times, in alternating order (default {rounds})")
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    p.add_argument("--batch", type=int, default=batch, help=f"sequences per rank per step (default {batch})")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--bucket-elems", type=int, default=1_500_000,
-                   help="zeroshard reduce_bucket_size, and DDP bucket_cap_mb of the same bytes")
+                   help="zeroshard reduce_bucket_size, and DDP bucket_cap_mb of the same bytes in fp32")
     p.add_argument("--persistence-threshold", type=int, default=10_000,
-                   help="zeroshard-stage3's stage3_param_persistence_threshold (default 1e4: every "
+                   help="zeroshard stage 3's stage3_param_persistence_threshold (default 1e4: every "
                         "weight matrix sharded, biases and LayerNorms kept gathered)")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(configs), help="comma-separated subset of " + ", ".join(configs))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one config may take")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    return p
+
+
+def parse_args(p=None, configs=CONFIGS, quick=(5, 2, 1)):
+    """quick: (steps, warmup, rounds) of --quick."""
+    p = p or build_parser(__doc__, configs)
     args = p.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.rounds = 5, 2, 1
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
+        args.steps, args.warmup, args.rounds = quick
+    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(configs))
     if unknown:
-        p.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
-    args.configs = configs
+        p.error(f"unknown configs {unknown}; choose from {', '.join(configs)}")
+    args.configs = chosen
     return args
 
 
 def settings_of(args):
     return dict(steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq, seed=args.seed,
-                bucket_elems=args.bucket_elems, persistence_threshold=args.persistence_threshold, lr=1e-3, weight_decay=0.01, fused=_fused_adamw_works(),
+                bucket_elems=args.bucket_elems, persistence_threshold=args.persistence_threshold, lr=1e-3, weight_decay=0.01, fused=fused_adamw_works(),
                 model=dict(vocab=512, dim=256, heads=4, hidden=1024, layers=args.layers, max_seq=args.seq))
 
 
@@ -337,13 +171,13 @@ def run_torchrun(args, s):
     return {name: summarize(name, rounds[name], fresh_processes=False) for name in args.configs}
 
 
-def main():
-    args = parse_args()
+def start(args):
+    """Settings, model size and launcher; prints the run's header on the leader."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     s = settings_of(args)
     sizes = [p.numel() for p in make_model(s["seed"], **s["model"]).parameters()]
     num_params = sum(sizes)
-    # Parameters zeroshard-stage3 keeps gathered (numel <= threshold, as in engine_stage3.cpp).
+    # Parameters zeroshard stage 3 keeps gathered (numel <= threshold, as in engine_stage3.cpp).
     kept = sum(n for n in sizes if n <= s["persistence_threshold"])
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
     leader = not under_torchrun or os.environ.get("RANK", "0") == "0"
@@ -355,17 +189,33 @@ def main():
         print(f"per rank: batch {s['batch']} x {s['seq']} tokens; {s['warmup']} warm-up + {s['steps']} timed steps; "
               f"AdamW lr {s['lr']} wd {s['weight_decay']}, torch fused={s['fused']}; "
               f"buckets {s['bucket_elems']:,} elements; {args.rounds} round(s)", flush=True)
-        if "zeroshard-stage3" in args.configs:
-            print(f"zeroshard-stage3: stage3_param_persistence_threshold {s['persistence_threshold']:,}: "
+        if any(c.startswith("zeroshard-stage3") for c in args.configs):
+            print(f"zeroshard stage 3: stage3_param_persistence_threshold {s['persistence_threshold']:,}: "
                   f"{kept:,} parameters ({100 * kept / num_params:.1f}%) stay gathered", flush=True)
-
     results = run_torchrun(args, s) if under_torchrun else run_spawned(args, s)
-    if not leader:
+    if leader:
+        threads = sorted({r["threads"] for r in results.values()})
+        print(f"torch threads per rank, as measured inside the ranks: {threads}")
+        print()
+    return dict(results=results, settings=s, num_params=num_params, kept=kept, world=world, leader=leader,
+                launcher="torchrun" if under_torchrun else "spawn")
+
+
+def write_json(path, run, problems, warnings):
+    raw = dict(torch=torch.__version__, world_size=run["world"], threads_per_rank=1, cpus=os.cpu_count(),
+               launcher=run["launcher"], num_params=run["num_params"], settings=run["settings"],
+               results=run["results"], problems=problems, warnings=warnings)
+    Path(path).write_text(json.dumps(raw, indent=2))
+    print(f"raw numbers: {path}")
+
+
+def main():
+    args = parse_args()
+    run = start(args)
+    if not run["leader"]:
         return 0
+    results, world, num_params, kept = run["results"], run["world"], run["num_params"], run["kept"]
     configs = args.configs
-    threads = sorted({r["threads"] for r in results.values()})
-    print(f"torch threads per rank, as measured inside the ranks: {threads}")
-    print()
     if "ddp" in results:
         print("## Against DDP + AdamW\n")
         print(render(results, "ddp", configs))
@@ -381,23 +231,19 @@ def main():
         print(render(results, stage3_bases, ["zeroshard-stage3", *stage3_bases]))
         print()
     print("## Model-state memory per rank (the rank holding most)\n")
-    print(render_memory(results, configs, num_params, world, kept))
+    print(render_memory(results, configs, fp32_formulas(num_params, world, kept)))
     print()
     print("## Losses (mean over ranks; held-out: one fixed batch after the last step)\n")
-    print(render_losses(results, configs))
-    problems, warnings = check(results, world, os.cpu_count())
+    print(render_losses(results, configs, "ddp"))
+    problems, warnings = check(results, world, os.cpu_count(), "ddp", LOSS_TOLERANCE)
     print()
     print("\n".join(f"PROBLEM: {p}" for p in problems) if problems else "checks: all losses finite; "
-          f"every config's held-out loss within 1e-3 of {loss_reference(results)}'s; ranks agree")
+          f"every config's held-out loss within {LOSS_TOLERANCE:g} of {loss_reference(results, 'ddp')}'s; ranks agree")
     for w in warnings:
         print(f"WARNING: {w}")
 
     if args.json:
-        raw = dict(torch=torch.__version__, world_size=world, threads_per_rank=1, cpus=os.cpu_count(),
-                   launcher="torchrun" if under_torchrun else "spawn", num_params=num_params, settings=s,
-                   results=results, problems=problems, warnings=warnings)
-        Path(args.json).write_text(json.dumps(raw, indent=2))
-        print(f"raw numbers: {args.json}")
+        write_json(args.json, run, problems, warnings)
     return 1 if problems else 0
 
 

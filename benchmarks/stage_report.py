@@ -67,38 +67,56 @@ def render(results, baselines, configs):
     return "\n".join(lines)
 
 
-def render_memory(results, configs, num_params, world, kept_params=0):
-    """kept_params: parameters zeroshard stage 3 keeps gathered (below its persistence threshold)."""
+def fp32_formulas(n, world, kept_params=0):
+    """Model-state bytes per rank by config, fp32: {config: (bytes per parameter as text, bytes)}.
+    n parameters, kept_params of them below stage 3's persistence threshold."""
     # fp32 AdamW: 4 B param + 4 B grad + 8 B (exp_avg, exp_avg_sq) per parameter; DDP adds
     # gradient buckets the size of the grads (gradient_as_bucket_view=False, its default).
     # Stage 3 shards all 16 B; a kept parameter also has its full copy (4 B) besides its shard.
-    n = num_params
-    formulas = {"zeroshard-stage0": ("16", 16 * n), "zeroshard-stage1": (f"8 + 8/{world}", (8 + 8 / world) * n),
-                "zeroshard-stage2": (f"4 + 12/{world}", (4 + 12 / world) * n),
-                "zeroshard-stage3": (f"16/{world}, + 4 for {kept_params:,} kept", 16 / world * n + 4 * kept_params),
-                "ddp": ("16 + 4 buckets", 20 * n),
-                "ddp+zero-redundancy": (f"8 + 8/{world} + 4 buckets", (12 + 8 / world) * n),
-                "fsdp2": (f"16/{world}", 16 / world * n)}
+    return {"zeroshard-stage0": ("16", 16 * n), "zeroshard-stage1": (f"8 + 8/{world}", (8 + 8 / world) * n),
+            "zeroshard-stage2": (f"4 + 12/{world}", (4 + 12 / world) * n),
+            "zeroshard-stage3": (f"16/{world}, + 4 for {kept_params:,} kept", 16 / world * n + 4 * kept_params),
+            "ddp": ("16 + 4 buckets", 20 * n),
+            "ddp+zero-redundancy": (f"8 + 8/{world} + 4 buckets", (12 + 8 / world) * n),
+            "fsdp2": (f"16/{world}", 16 / world * n)}
+
+
+def bf16_formulas(n, world, kept_params=0):
+    """The same for bench_bf16.py's configs. zeroshard: 2 B bf16 param + 2 B bf16 grad + 12 B
+    fp32 master, exp_avg, exp_avg_sq (DESIGN.md's 16 bytes); a kept stage 3 parameter also has
+    its full bf16 copy (2 B). DDP under autocast and FSDP2 with a MixedPrecisionPolicy keep
+    fp32 parameters, gradients and AdamW state (16 B), the bf16 copies being transient."""
+    return {"zeroshard-stage0-bf16": ("16", 16 * n),
+            "zeroshard-stage1-bf16": (f"4 + 12/{world}", (4 + 12 / world) * n),
+            "zeroshard-stage2-bf16": (f"2 + 14/{world}", (2 + 14 / world) * n),
+            "zeroshard-stage3-bf16": (f"16/{world}, + 2 for {kept_params:,} kept", 16 / world * n + 2 * kept_params),
+            "ddp-autocast": ("16 + 4 buckets", 20 * n),
+            "fsdp2-bf16": (f"16/{world}", 16 / world * n)}
+
+
+def render_memory(results, configs, formulas):
+    """formulas: from fp32_formulas or bf16_formulas."""
     lines = ["| config | params MB | grads MB | optimizer MB | DDP buckets MB | total MB "
-             "| gathered peak MB | formula (B/param) | formula MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| gathered peak MB | formula (B/param) | formula MB | total / formula |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name in configs:
         m = results[name]["memory"]
         text, formula_bytes = formulas[name]
         buckets = _mb(m["comm_buffers"]) if name.startswith("ddp") else "–"
         gathered = _mb(m["gathered_peak"]) if m.get("gathered_peak") is not None else "–"
         lines.append(f"| {name} | {_mb(m['params'])} | {_mb(m['grads'])} | {_mb(m['optimizer'])} | {buckets} "
-                     f"| {_mb(m['total'])} | {gathered} | {text} | {formula_bytes / MB:.1f} |")
+                     f"| {_mb(m['total'])} | {gathered} | {text} | {formula_bytes / MB:.1f} "
+                     f"| {m['total'] / formula_bytes:.4f} |")
     return "\n".join(lines)
 
 
-def loss_reference(results):
-    """The config every held-out loss is compared with: ddp, or the first one run without it."""
-    return "ddp" if "ddp" in results else next(iter(results))
+def loss_reference(results, preferred):
+    """The config every held-out loss is compared with: `preferred`, or the first one run without it."""
+    return preferred if preferred in results else next(iter(results))
 
 
-def render_losses(results, configs):
-    ref_name = loss_reference(results)
+def render_losses(results, configs, preferred):
+    ref_name = loss_reference(results, preferred)
     ref = results[ref_name]["eval_loss"]
     lines = ["| config | optimizer | loss step 1 | loss last step | held-out loss after "
              f"| rel. diff to {ref_name} |",
@@ -111,7 +129,21 @@ def render_losses(results, configs):
     return "\n".join(lines)
 
 
-def check(results, world, cpus):
+def check_memory(results, formulas, rel_tol):
+    """Problems where a config's model-state total is off its formula by more than rel_tol
+    (zeroshard pads each flat buffer to a multiple of 16 x world-size elements; torch's AdamW
+    keeps a 4-byte step per tensor: a few KB here)."""
+    problems = []
+    for name, r in results.items():
+        text, expected = formulas[name]
+        total = r["memory"]["total"]
+        if abs(total - expected) > rel_tol * expected:
+            problems.append(f"{name}: model state {total:,} B is {total / expected:.5f} x its formula "
+                            f"({text} B/param = {expected:,.0f} B), beyond {rel_tol:g}")
+    return problems
+
+
+def check(results, world, cpus, preferred, rel_tol):
     """(problems, warnings): non-finite or disagreeing losses are problems; a machine too busy
     for the wall-clock times to mean much is a warning."""
     problems, warnings = [], []
@@ -121,13 +153,13 @@ def check(results, world, cpus):
         if len(set(r["eval_loss_by_rank"])) > 1:
             problems.append(f"{name}: ranks disagree on the held-out loss {r['eval_loss_by_rank']} "
                             "(their parameters differ)")
-    ref_name = loss_reference(results)
+    ref_name = loss_reference(results, preferred)
     ref = results[ref_name]["eval_loss"]
     for name, r in results.items():
-        # Same math in fp32, sums in possibly different orders: ~1e-5 after a few dozen steps.
-        if abs(r["eval_loss"] - ref) > 1e-3 * abs(ref):
+        # fp32: the same math, sums in possibly different orders: ~1e-5 after a few dozen steps.
+        if abs(r["eval_loss"] - ref) > rel_tol * abs(ref):
             problems.append(f"{name}: held-out loss {r['eval_loss']:.6f} differs from {ref_name}'s {ref:.6f} "
-                            "by more than 1e-3 relative")
+                            f"by more than {rel_tol:g} relative")
     # The 1-minute load average after a config counts this benchmark's own ranks (about
     # `world`, since each runs one busy thread); more than the cores means competition.
     load = max(la[1] for r in results.values() for la in r["load_average"])

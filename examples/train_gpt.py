@@ -85,7 +85,9 @@ def main():
     config = zeroshard.Config.from_file(args.config)
     zeroshard.init_distributed(config.zeroshard.collective_timeout_seconds)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    # One rank per GPU when there are enough GPUs for every rank; the CPU otherwise.
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if on_gpu else torch.device("cpu")
 
     data, vocab = load_corpus()
     torch.manual_seed(0)

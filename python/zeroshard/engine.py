@@ -47,8 +47,9 @@ def init_distributed(timeout_seconds=600.0):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
     return dist.group.WORLD

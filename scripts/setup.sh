@@ -35,7 +35,7 @@ if [ ${#pip_missing[@]} -gt 0 ]; then
 fi
 
 # Build (ccache keeps rebuilds cheap on 2 cores) and install in place.
-export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
+export CCACHE_DIR=${CCACHE_DIR:-${HOME:-/root}/.cache/ccache}
 # Paths under the checkout hash as relative ones, so every clone shares the cache.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 export PIP_ROOT_USER_ACTION=ignore

@@ -28,6 +28,8 @@ fi
 pip_missing=()
 "$PYTHON" -c "import pytest" >/dev/null 2>&1 || pip_missing+=(pytest)
 "$PYTHON" -c "import pybind11" >/dev/null 2>&1 || pip_missing+=(pybind11)
+# The tests read checkpoints with the reference safetensors reader, not only zeroshard's own.
+"$PYTHON" -c "import safetensors" >/dev/null 2>&1 || pip_missing+=(safetensors)
 command -v ninja >/dev/null 2>&1 || pip_missing+=(ninja)
 command -v cmake >/dev/null 2>&1 || pip_missing+=(cmake)
 if [ ${#pip_missing[@]} -gt 0 ]; then

@@ -94,7 +94,8 @@ void bindConfig(py::module_& m) {
       .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds)
       .def_readonly("reshard_after_forward", &ZeroshardExtras::reshardAfterForward)
       .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses)
-      .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype);
+      .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype)
+      .def_readonly("checkpoint_keep_last", &ZeroshardExtras::checkpointKeepLast);
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",

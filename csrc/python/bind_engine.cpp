@@ -84,6 +84,29 @@ void bindEngine(py::module_& m) {
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)
+      .def("set_module_state",
+           [](Engine& e, std::vector<std::string> keys, std::vector<std::pair<std::string, at::Tensor>> tensors,
+              std::vector<std::pair<std::string, std::string>> aliases) {
+             e.setModuleState(ModuleState{std::move(keys), std::move(tensors), std::move(aliases)});
+           },
+           "keys"_a, "tensors"_a, "aliases"_a)
+      .def("save_checkpoint",
+           [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState) {
+             std::string bytes = clientState;
+             py::gil_scoped_release noGil;
+             return e.saveCheckpoint(dir, tag, bytes);
+           },
+           "dir"_a, "tag"_a = "", "client_state"_a = py::bytes())
+      .def("load_checkpoint",
+           [](Engine& e, const std::string& dir, const std::string& tag) {
+             LoadedCheckpoint loaded;
+             {
+               py::gil_scoped_release noGil;
+               loaded = e.loadCheckpoint(dir, tag);
+             }
+             return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
+           },
+           "dir"_a, "tag"_a = "")
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
       .def("get_lr", &Engine::learningRate, "group"_a = 0);
 }

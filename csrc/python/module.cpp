@@ -6,4 +6,5 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::python::bindConfig(m);
   zeroshard::python::bindCommunicator(m);
   zeroshard::python::bindEngine(m);
+  zeroshard::python::bindCheckpoint(m);
 }

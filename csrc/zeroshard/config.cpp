@@ -154,7 +154,8 @@ std::string Config::toJsonString() const {
   j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds},
                     {"reshard_after_forward", extras.reshardAfterForward},
                     {"stage3_unit_classes", extras.unitClasses},
-                    {"reduce_dtype", extras.reduceDtype}};
+                    {"reduce_dtype", extras.reduceDtype},
+                    {"checkpoint", {{"keep_last", extras.checkpointKeepLast}}}};
   return j.dump(2);
 }
 

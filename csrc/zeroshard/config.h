@@ -84,6 +84,9 @@ struct ZeroshardExtras {
   // With bf16/fp16: "compute" reduces gradients in the compute dtype (half the bytes on the
   // wire), "fp32" in float32 (exact sums, twice the bytes).
   std::string reduceDtype = "compute";
+  // save_checkpoint keeps this many complete checkpoints in its directory (the newest ones),
+  // removing older ones only once the new one is complete; 0 keeps all.
+  int64_t checkpointKeepLast = 2;
 };
 
 struct Config {

@@ -53,7 +53,11 @@ const std::vector<ConfigSection>& allSections() {
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply"}},
-      {"zeroshard", {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype"}, {}},
+      {"zeroshard",
+       {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
+        "checkpoint"},
+       {}},
+      {"zeroshard.checkpoint", {"keep_last"}, {}},
   };
   return sections;
 }

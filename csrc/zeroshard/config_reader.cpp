@@ -293,6 +293,10 @@ void ConfigReader::readTopLevel(const Json& root) {
     readNumber(*extras, "zeroshard", "collective_timeout_seconds", kPositive,
                config_.extras.collectiveTimeoutSeconds);
     readBool(*extras, "zeroshard", "reshard_after_forward", config_.extras.reshardAfterForward);
+    if (const Json* checkpoint = object(*extras, "zeroshard", "checkpoint")) {
+      checkKeys(*checkpoint, "zeroshard.checkpoint", configSection("zeroshard.checkpoint"));
+      readInt(*checkpoint, "zeroshard.checkpoint", "keep_last", kNonNegativeInt, config_.extras.checkpointKeepLast);
+    }
     if (extras->contains("reduce_dtype")) {
       const Json& value = (*extras)["reduce_dtype"];
       if (!value.is_string() || (value != "compute" && value != "fp32")) {

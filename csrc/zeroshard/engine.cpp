@@ -100,18 +100,23 @@ at::ScalarType Engine::gradShardDtype() const {
 
 void Engine::registerShards() {
   for (auto& b : buckets_) {
+    auto& slots = slots_.emplace_back();
+    const auto whole = [&](const at::Tensor& grad) {
+      const int group = b.paramGroup();
+      slots.push_back({group, optimizer_.addShard(group, b.master(), grad), 0, b.master().numel()});
+    };
     switch (stage()) {
       case 0:
         b.allocateFlatGrads();
-        optimizer_.addShard(b.paramGroup(), b.master(), b.flatGrads());
+        whole(b.flatGrads());
         break;
       case 1:
         b.allocateFlatGrads();
-        optimizer_.addShard(b.paramGroup(), b.master(), b.flatGradShard());
+        whole(b.flatGradShard());
         break;
       case 2:
         b.allocateGradShard(gradShardDtype());
-        optimizer_.addShard(b.paramGroup(), b.master(), b.gradShard());
+        whole(b.gradShard());
         break;
       default:
         // A unit may mix param groups: each piece of a parameter in this rank's shard is
@@ -119,8 +124,10 @@ void Engine::registerShards() {
         b.allocateGradShard(gradShardDtype());
         for (const auto& piece : b.layout().piecesInShard(rank())) {
           const int64_t length = piece.paramEnd - piece.paramBegin;
-          optimizer_.addShard(b.paramGroupOf(piece.param), b.master().narrow(0, piece.shardOffset, length),
-                              b.gradShard().narrow(0, piece.shardOffset, length));
+          const int group = b.paramGroupOf(piece.param);
+          const size_t index = optimizer_.addShard(group, b.master().narrow(0, piece.shardOffset, length),
+                                                   b.gradShard().narrow(0, piece.shardOffset, length));
+          slots.push_back({group, index, piece.shardOffset, length});
         }
     }
   }

@@ -11,6 +11,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "zeroshard/bucket.h"
+#include "zeroshard/checked_file.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/config.h"
 #include "zeroshard/loss_scaler.h"
@@ -34,6 +35,7 @@ class Module;
 namespace zeroshard {
 
 class GradReducer;
+struct CheckpointManifest;
 
 // Stage 3: one unit of the model (e.g. one transformer block): the names of its parameters.
 // Parameters of at most stage3_param_persistence_threshold elements leave their unit for one
@@ -64,6 +66,22 @@ struct MemoryStats {
   // step (not part of the total, which counts what is held between steps).
   int64_t gatheredPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
+};
+
+// Module state a checkpoint must hold that the engine does not shard: buffers and frozen
+// parameters (whole on every rank), and state-dict names under which a trained parameter
+// appears a second time (tied weights). With it, a checkpoint converts to a complete state
+// dict in the model's own order.
+struct ModuleState {
+  std::vector<std::string> keys;  // every state-dict name, in the model's order
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
+};
+
+struct LoadedCheckpoint {
+  std::string path;         // the checkpoint directory read
+  std::string tag;
+  std::string clientState;  // what save_checkpoint was given (empty if nothing)
 };
 
 class Engine {
@@ -121,6 +139,17 @@ class Engine {
   void gatherParameters();
   void reshardParameters();
 
+  // Checkpoints (engine_checkpoint.cpp; the format is in checkpoint_manifest.h). Both are
+  // collective and blocking: every rank calls them between optimizer steps, with the same
+  // arguments. saveCheckpoint writes this rank's shards in parallel with the others and
+  // returns the published checkpoint's path; `tag` empty means "global_step<N>". clientState
+  // is saved from rank 0. loadCheckpoint (tag empty: the `latest` one) works at any world size
+  // and stage; each rank reads only the slices it holds, and on any error no state is changed
+  // on any rank.
+  void setModuleState(ModuleState state);
+  std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "");
+  LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "");
+
   // Sets lr of one param group, or of all with group = -1 (for schedulers).
   void setLearningRate(double lr, int group = -1);
   double learningRate(int group = 0);
@@ -135,6 +164,13 @@ class Engine {
   void finishStep();
   void gatherParams();
   void zeroGrads();
+  // Checkpoints.
+  ShardRange heldRange(size_t bucket) const;
+  at::Tensor savedShard(size_t bucket, size_t kind) const;
+  FileDigest writeRankFile(const std::string& dir) const;
+  void checkCheckpointMatches(const CheckpointManifest& manifest) const;
+  void agreeAcrossRanks(const std::string& what, const std::function<void()>& work);
+  std::vector<std::string> gatherText(const std::string& text);
 
   Config config_;
   Communicator comm_;
@@ -147,6 +183,16 @@ class Engine {
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ShardedUnits> units_;
   std::vector<int> specToUnit_;
+  // Where each bucket's optimizer state lives: the shards registered with the optimizer, by
+  // their offset within heldRange(bucket).
+  struct OptimizerSlot {
+    int group;
+    size_t index;
+    int64_t offset;
+    int64_t numel;
+  };
+  std::vector<std::vector<OptimizerSlot>> slots_;
+  ModuleState moduleState_;
   int64_t microSteps_ = 0;
   bool backwardSinceStep_ = false;
   double lastGradNorm_ = 0;

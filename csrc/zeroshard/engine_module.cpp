@@ -48,10 +48,35 @@ std::vector<UnitSpec> unitSpecs(torch::nn::Module& model, const std::vector<std:
   return specs;
 }
 
+// Frozen parameters and buffers are saved whole; a second name of a trained parameter is an
+// alias of its first.
+ModuleState moduleStateOf(torch::nn::Module& model) {
+  ModuleState state;
+  std::unordered_map<const void*, std::string> firstName;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    auto [it, first] = firstName.emplace(p.unsafeGetTensorImpl(), item.key());
+    if (!first && !p.requires_grad()) continue;  // a tied frozen parameter is saved once
+    state.keys.push_back(item.key());
+    if (!first) {
+      state.aliases.emplace_back(item.key(), it->second);
+    } else if (!p.requires_grad()) {
+      state.tensors.emplace_back(item.key(), p);
+    }
+  }
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    state.keys.push_back(item.key());
+    state.tensors.emplace_back(item.key(), item.value());
+  }
+  return state;
+}
+
 } // namespace
 
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules)
-    : Engine(trainableParams(model), std::move(processGroup), std::move(config), unitSpecs(model, unitModules)) {}
+    : Engine(trainableParams(model), std::move(processGroup), std::move(config), unitSpecs(model, unitModules)) {
+  setModuleState(moduleStateOf(model));
+}
 
 } // namespace zeroshard

@@ -15,11 +15,13 @@ int ShardedAdamW::addGroup(const AdamWHyper& hyper) {
   TORCH_CHECK(hyper.beta1 >= 0 && hyper.beta1 < 1 && hyper.beta2 >= 0 && hyper.beta2 < 1,
               "zeroshard AdamW: betas must be in [0, 1), got (", hyper.beta1, ", ", hyper.beta2, ")");
   TORCH_CHECK(hyper.weightDecay >= 0, "zeroshard AdamW: weight_decay must be >= 0, got ", hyper.weightDecay);
-  groups_.push_back(Group{hyper, {}, {}, {}, {}, {}});
+  Group group;
+  group.hyper = hyper;
+  groups_.push_back(std::move(group));
   return static_cast<int>(groups_.size()) - 1;
 }
 
-void ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tensor& grad) {
+size_t ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tensor& grad) {
   TORCH_CHECK(master.scalar_type() == at::kFloat, "zeroshard AdamW: master weights must be float32");
   TORCH_CHECK(at::isFloatingType(grad.scalar_type()), "zeroshard AdamW: gradients must be floating point");
   TORCH_CHECK(master.sizes() == grad.sizes(), "zeroshard AdamW: master and gradient shards differ in size");
@@ -28,7 +30,21 @@ void ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tenso
   g.grads.push_back(grad);
   g.expAvgs.push_back(at::zeros_like(master));
   g.expAvgSqs.push_back(at::zeros_like(master));
-  g.steps.push_back(at::zeros({}, master.options()));
+  g.steps.push_back(at::full({}, static_cast<double>(steps_), master.options()));
+  return g.masters.size() - 1;
+}
+
+ShardedAdamW::ShardState ShardedAdamW::shardState(int group, size_t index) const {
+  const auto& g = groups_.at(group);
+  return {g.masters.at(index), g.expAvgs.at(index), g.expAvgSqs.at(index)};
+}
+
+void ShardedAdamW::setStepCount(int64_t steps) {
+  TORCH_CHECK(steps >= 0, "zeroshard AdamW: step count must be >= 0, got ", steps);
+  steps_ = steps;
+  for (auto& g : groups_) {
+    for (auto& s : g.steps) s.fill_(static_cast<double>(steps));
+  }
 }
 
 void ShardedAdamW::prepareGrads() {

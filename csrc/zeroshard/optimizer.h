@@ -22,8 +22,9 @@ class ShardedAdamW {
   int addGroup(const AdamWHyper& hyper);
   // Registers one shard of `group`: `master` (fp32, updated in place) and its gradient (fp32,
   // or the 16-bit compute dtype), which must stay the same tensors between steps (views into
-  // the engine's buffers). Allocates exp_avg and exp_avg_sq beside it.
-  void addShard(int group, const at::Tensor& master, const at::Tensor& grad);
+  // the engine's buffers). Allocates exp_avg and exp_avg_sq beside it. Returns the shard's index
+  // within the group.
+  size_t addShard(int group, const at::Tensor& master, const at::Tensor& grad);
 
   // A step is prepareGrads(), then optionally localGradSquareSum()/scaleGrads() (clipping),
   // then step(). prepareGrads() makes the fp32 gradients the step uses: the registered ones
@@ -44,6 +45,13 @@ class ShardedAdamW {
   int numGroups() const { return static_cast<int>(groups_.size()); }
   AdamWHyper& hyper(int group) { return groups_.at(group).hyper; }
   int64_t stepCount() const { return steps_; }
+  // Checkpoints: the state of one registered shard (the tensors themselves, written in place
+  // on load), and the step count every shard's bias correction uses.
+  struct ShardState {
+    at::Tensor master, expAvg, expAvgSq;
+  };
+  ShardState shardState(int group, size_t index) const;
+  void setStepCount(int64_t steps);
   // Bytes of exp_avg and exp_avg_sq held on this rank.
   int64_t stateBytes() const;
 

@@ -5,6 +5,7 @@ parameters by name, finds the process group, and forwards calls.
 """
 
 import contextlib
+import io
 import os
 import socket
 from datetime import timedelta
@@ -137,6 +138,30 @@ class Engine:
         """Bytes and calls per collective kind in the last optimizer step."""
         return self._core.comm_stats()
 
+    def save_checkpoint(self, save_dir, tag=None, client_state=None):
+        """Saves a sharded checkpoint to save_dir/tag (default tag: "global_step<N>").
+
+        Every rank calls it between optimizer steps; each writes its own shards in parallel.
+        The checkpoint becomes visible (and `latest` points at it) only once complete, and
+        zeroshard.checkpoint.keep_last older ones are kept. client_state (a dict of numbers,
+        strings, lists and tensors) is saved from rank 0 with torch.save. Returns the
+        checkpoint's path."""
+        blob = b""
+        if client_state is not None:
+            buffer = io.BytesIO()
+            torch.save(client_state, buffer)
+            blob = buffer.getvalue()
+        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob)
+
+    def load_checkpoint(self, load_dir, tag=None):
+        """Loads save_dir/tag (default: the one `latest` names) at any world size and stage.
+
+        Every rank calls it between optimizer steps; each reads only its own slices. Returns
+        (path, client_state), as DeepSpeed does; on any error nothing changes on any rank."""
+        path, _tag, blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "")
+        client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
+        return path, client_state
+
     def set_lr(self, lr, group=-1):
         self._core.set_lr(lr, group)
 
@@ -172,10 +197,29 @@ def initialize(model, config, process_group=None, param_groups=None):
         dtype = torch.bfloat16 if cfg.bf16_enabled else torch.float16
         hooks.append(model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
     if cfg.stage != 3:
-        return Engine(model, _C.Engine(groups, process_group.group_name, cfg), cfg, hooks)
-    units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
-    core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
-    return Engine(model, core, cfg, hooks + stage3.install_hooks(core, model, units))
+        core = _C.Engine(groups, process_group.group_name, cfg)
+    else:
+        units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
+        core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
+        hooks += stage3.install_hooks(core, model, units)
+    core.set_module_state(*_module_state(model, groups))
+    return Engine(model, core, cfg, hooks)
+
+
+def _module_state(model, groups):
+    """What a checkpoint needs besides the trained parameters: the state dict's names in
+    order, the tensors the engine does not shard (buffers, frozen parameters), and second
+    names of trained parameters (tied weights)."""
+    trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+    keys, tensors, aliases = [], [], []
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        name = trained.get(id(value))
+        if name is None:
+            tensors.append((key, value))
+        elif name != key:
+            aliases.append((key, name))
+    return keys, tensors, aliases
 
 
 def _cast_inputs(dtype):

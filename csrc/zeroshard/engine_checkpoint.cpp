@@ -137,6 +137,9 @@ void Engine::agreeAcrossRanks(const std::string& what, const std::function<void(
   std::string error;
   try {
     work();
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+    if (error.empty()) error = "unknown error";
   } catch (const std::exception& e) {
     error = e.what();
     if (error.empty()) error = "unknown error";
@@ -146,9 +149,9 @@ void Engine::agreeAcrossRanks(const std::string& what, const std::function<void(
   if (!error.empty()) failed[rank()].fill_(1);
   try {
     comm_.allReduce(failed).wait();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed: another rank stopped answering (", e.what(),
-                ")", error.empty() ? "" : "; this rank's own error: " + error);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed: another rank stopped answering (",
+                e.what_without_backtrace(), ")", error.empty() ? "" : "; this rank's own error: " + error);
   }
   const auto flags = failed.to(at::kCPU);
   std::vector<int> ranks;

@@ -82,9 +82,11 @@ def _write_torch_file(reader, out, dtype):
         tensor = reader.read(name)
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != nbytes:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
         key = str(i)
-        writer.write_record(f"data/{key}", tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
         state[name] = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), list(tensor.shape))
         del tensor
     buffer = io.BytesIO()

@@ -60,3 +60,27 @@ def no_decay_groups(model):
     for name, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+
+
+class StatefulTransformer(TinyTransformer):
+    """TinyTransformer with everything a checkpoint must carry besides independent trained
+    weights: a head tied to the embedding, a frozen parameter, and a buffer that the training
+    loop changes (call advance() after each step)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head.weight = self.embed.weight
+        self.frozen = nn.Parameter(torch.randn(self.vocab) * 0.1, requires_grad=False)
+        self.register_buffer("temperature", torch.ones(()))
+
+    def forward(self, tokens):
+        return super().forward(tokens) / self.temperature + self.frozen
+
+    @torch.no_grad()
+    def advance(self):
+        self.temperature.add_(0.01)
+
+
+def make_stateful_model(seed=0):
+    torch.manual_seed(seed)
+    return StatefulTransformer()

@@ -1,0 +1,362 @@
+"""Checkpoints: a run saved at one world size and stage and loaded at another continues as if
+it had never stopped; a save that dies leaves the previous checkpoint as it was; damaged files
+are errors that name them; the converted state dict loads into the plain model.
+
+Each case runs real processes (Gloo) over one checkpoint directory under pytest's tmp_path.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import StatefulTransformer, global_batch, make_stateful_model
+from spawn import run_ranks
+
+GLOBAL = 8          # sequences per optimizer step, at every world size
+SAVED_STEPS = 3     # steps before the checkpoint
+RESUMED_STEPS = 3   # steps after it
+LR = 1e-2
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _config(world_size, stage, precision="fp32", **extras):
+    config = {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": GLOBAL // world_size,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
+        # Small buckets and threshold 0: several flat buffers, every parameter sharded.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+        "zeroshard": {"collective_timeout_seconds": 30, **extras},
+    }
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _train(model, engine, rank, world_size, steps):
+    """Trains on the global batches of `steps`; returns the mean loss over ranks per step."""
+    import torch.distributed as dist
+
+    micro = GLOBAL // world_size
+    losses = []
+    for step in steps:
+        tokens = global_batch(step, GLOBAL)
+        loss = model.loss(tokens[rank * micro:(rank + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        model.advance()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
+def _save_and_continue(rank, world_size, stage, precision, ckpt):
+    """The uninterrupted run: trains, saves after SAVED_STEPS, and goes on training."""
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, stage, precision))
+    losses = _train(model, engine, rank, world_size, range(SAVED_STEPS))
+    path = engine.save_checkpoint(ckpt, client_state={"next_step": SAVED_STEPS, "note": "saved"})
+    losses += _train(model, engine, rank, world_size, range(SAVED_STEPS, SAVED_STEPS + RESUMED_STEPS))
+    state = engine.full_state_dict()
+    return (path, losses, state, engine.global_steps, engine.loss_scale) if rank == 0 else None
+
+
+def _resume(rank, world_size, stage, precision, ckpt):
+    """A fresh process with a differently initialized model: loads, then trains on."""
+    import zeroshard
+
+    model = make_stateful_model(seed=1234)
+    engine = zeroshard.initialize(model, _config(world_size, stage, precision))
+    path, client_state = engine.load_checkpoint(ckpt)
+    start = client_state["next_step"]
+    losses = _train(model, engine, rank, world_size, range(start, start + RESUMED_STEPS))
+    state = engine.full_state_dict()
+    return (path, client_state, losses, state, engine.global_steps, engine.loss_scale) if rank == 0 else None
+
+
+def _reference():
+    """Single-process torch.optim.AdamW over every step on the whole global batch."""
+    model = make_stateful_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.05)
+    losses = []
+    for step in range(SAVED_STEPS + RESUMED_STEPS):
+        loss = model.loss(global_batch(step, GLOBAL))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.advance()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("precision,stage", [("fp32", 2), ("bf16", 3), ("fp16", 1)])
+def test_resume_at_the_same_world_size_and_stage_is_bit_exact(tmp_path, precision, stage):
+    path, losses, state, steps, scale = run_ranks(_save_and_continue, 2, stage, precision, str(tmp_path))[0]
+    assert Path(path) == tmp_path / f"global_step{SAVED_STEPS}"
+    loaded, client, resumed, resumed_state, resumed_steps, resumed_scale = run_ranks(
+        _resume, 2, stage, precision, str(tmp_path))[0]
+    assert loaded == path and client == {"next_step": SAVED_STEPS, "note": "saved"}
+    assert resumed == losses[SAVED_STEPS:]
+    assert (resumed_steps, resumed_scale) == (steps, scale)
+    assert resumed_state.keys() == state.keys()
+    for name in state:
+        assert torch.equal(resumed_state[name], state[name]), name
+
+
+# (saved at world size, stage) -> (loaded at world size, stage)
+RESHARD_CASES = {
+    "2_to_4_ranks": ((2, 1), (4, 1)),
+    "4_to_2_ranks_stage2_to_stage3": ((4, 2), (2, 3)),
+    "4_to_1_rank_stage3_to_stage0": ((4, 3), (1, 0)),
+    "stage2_to_stage3": ((2, 2), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESHARD_CASES))
+def test_resume_at_another_world_size_or_stage_continues_like_adamw(tmp_path, case):
+    (save_ws, save_stage), (load_ws, load_stage) = RESHARD_CASES[case]
+    _, losses, state, _, _ = run_ranks(_save_and_continue, save_ws, save_stage, "fp32", str(tmp_path))[0]
+    _, _, resumed, resumed_state, resumed_steps, _ = run_ranks(_resume, load_ws, load_stage, "fp32", str(tmp_path))[0]
+    ref_losses, ref_state = _reference()
+    assert resumed_steps == SAVED_STEPS + RESUMED_STEPS
+    assert resumed == pytest.approx(ref_losses[SAVED_STEPS:], rel=1e-5)
+    assert resumed == pytest.approx(losses[SAVED_STEPS:], rel=1e-5)
+    assert resumed_state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(resumed_state[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(resumed_state[name], state[name], rtol=RTOL, atol=ATOL)
+
+
+def _save_then_die(rank, world_size, ckpt):
+    """Saves `good`, trains a step, then saves `bad` with rank 1 killed by the kernel part way
+    through writing its shard file (SIGXFSZ past a file-size limit, which is a real kill:
+    the process runs no more code)."""
+    import resource
+    import signal
+
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(2))
+    engine.save_checkpoint(ckpt, tag="good")
+    good = engine.full_state_dict()
+    _train(model, engine, rank, world_size, range(2, 3))
+    if rank == 1:
+        shard_file = Path(ckpt) / "good" / "rank_00001.safetensors"
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it by default
+        resource.setrlimit(resource.RLIMIT_FSIZE, (shard_file.stat().st_size // 2,) * 2)
+    try:
+        engine.save_checkpoint(ckpt, tag="bad")
+    except RuntimeError as e:
+        return good, str(e)
+    return good, None
+
+
+def _load_and_save_again(rank, world_size, ckpt):
+    import zeroshard
+
+    model = make_stateful_model(seed=99)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    path, _ = engine.load_checkpoint(ckpt)
+    state = engine.full_state_dict()
+    engine.save_checkpoint(ckpt, tag="after")
+    return path, state
+
+
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_intact_and_latest(tmp_path):
+    outcomes = run_ranks(_save_then_die, 2, str(tmp_path), lingering_rank=1)
+    good, error = outcomes[0]
+    assert error is not None and "saving" in error, error
+    assert (tmp_path / "latest").read_text() == "good"
+    assert not (tmp_path / "bad").exists()
+    assert (tmp_path / ".staging-bad").exists()  # what the dead save left, never taken as a checkpoint
+
+    path, state = run_ranks(_load_and_save_again, 2, str(tmp_path))[0]
+    assert Path(path) == tmp_path / "good"
+    for name in good:
+        assert torch.equal(state[name], good[name]), name
+    # The next save cleans up after the dead one.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["after", "good", "latest"]
+
+
+def _damaged_loads(rank, world_size, ckpt, damages):
+    """Saves once, then for each damage applies it to a copy and tries to load the copy.
+    Returns the error per damage, and whether the engine was left untouched by every failure."""
+    import shutil
+
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(2))
+    engine.save_checkpoint(ckpt, tag="base")
+    before = engine.full_state_dict()
+    errors = {}
+    for name, (file, how) in damages.items():
+        target = Path(ckpt) / name
+        if rank == 0:
+            shutil.copytree(Path(ckpt) / "base", target)
+            _damage(target / file, how)
+        torch.distributed.barrier()
+        try:
+            engine.load_checkpoint(ckpt, tag=name)
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    _train(model, engine, rank, world_size, range(2, 3))  # the engine still trains
+    return errors, unchanged
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) * 3 // 4] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[:len(data) - 100]))
+    elif how == "remove":
+        path.unlink()
+
+
+def test_a_flipped_byte_a_truncated_file_and_a_missing_file_each_name_the_file(tmp_path):
+    damages = {
+        "flipped": ("rank_00000.safetensors", "flip"),
+        "truncated": ("rank_00000.safetensors", "truncate"),
+        "missing": ("rank_00000.safetensors", "remove"),
+        "manifest_flipped": ("manifest.json", "flip"),
+        "manifest_missing": ("manifest.json", "remove"),
+        "module_state_flipped": ("module_state.safetensors", "flip"),
+    }
+    errors, unchanged = run_ranks(_damaged_loads, 1, str(tmp_path), damages)[0]
+    assert unchanged, "a failed load changed the engine"
+    assert "checksum mismatch in" in errors["flipped"] and "rank_00000.safetensors" in errors["flipped"]
+    assert "truncated" in errors["truncated"] and "rank_00000.safetensors" in errors["truncated"]
+    assert "missing" in errors["missing"] and "rank_00000.safetensors" in errors["missing"]
+    assert "manifest" in errors["manifest_flipped"] and "manifest.json" in errors["manifest_flipped"]
+    assert "manifest.json' is missing" in errors["manifest_missing"]
+    assert "checksum mismatch in" in errors["module_state_flipped"]
+    assert "module_state.safetensors" in errors["module_state_flipped"]
+
+
+def test_damage_seen_by_one_rank_fails_the_load_on_every_rank_and_changes_nothing(tmp_path):
+    damages = {"flipped": ("rank_00001.safetensors", "flip")}
+    outcomes = run_ranks(_damaged_loads, 2, str(tmp_path), damages)
+    (errors0, unchanged0), (errors1, unchanged1) = outcomes
+    assert unchanged0 and unchanged1
+    assert "checksum mismatch in" in errors1["flipped"] and "rank_00001.safetensors" in errors1["flipped"]
+    assert "failed on rank(s) 1" in errors0["flipped"]
+
+
+def _load_into_other_model(rank, world_size, ckpt, kind):
+    import zeroshard
+
+    from models import TinyTransformer
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(1))
+    engine.save_checkpoint(ckpt)
+    torch.manual_seed(0)
+    other = StatefulTransformer(dim=32) if kind == "shape" else TinyTransformer()
+    other_engine = zeroshard.initialize(other, _config(world_size, 2))
+    try:
+        other_engine.load_checkpoint(ckpt)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path):
+    shape_error = run_ranks(_load_into_other_model, 1, str(tmp_path / "a"), "shape")[0]
+    # dim 32 instead of 24: whichever parameter is checked first is named with both shapes.
+    assert re.search(r"parameter '[\w.]+' has shape \[[\d, ]*32[\d, ]*\] here but \[[\d, ]*24[\d, ]*\] "
+                     r"in checkpoint 'global_step1'", shape_error), shape_error
+    names_error = run_ranks(_load_into_other_model, 1, str(tmp_path / "b"), "names")[0]
+    assert "'head.weight'" in names_error and "another model" in names_error
+
+
+def _save_for_conversion(rank, world_size, ckpt, precision):
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 3, precision))
+    _train(model, engine, rank, world_size, range(2))
+    engine.save_checkpoint(ckpt)
+    return engine.full_state_dict() if rank == 0 else None
+
+
+def _convert(*args):
+    # A fresh interpreter with no process group and no GPU, as on a laptop.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_model(tmp_path, precision):
+    from safetensors.torch import load_file
+
+    full = run_ranks(_save_for_conversion, 2, str(tmp_path / "ckpt"), precision)[0]
+    dtype_flag = ["--dtype", "bf16"] if precision == "bf16" else []
+    _convert(tmp_path / "ckpt", tmp_path / "model.safetensors", *dtype_flag)
+    _convert(tmp_path / "ckpt", tmp_path / "model.pt", *dtype_flag)
+    expected = {k: v.to(torch.bfloat16) if precision == "bf16" and v.is_floating_point() else v
+                for k, v in full.items()}
+    for converted in (load_file(tmp_path / "model.safetensors"), torch.load(tmp_path / "model.pt", weights_only=True)):
+        assert list(converted) == list(expected)  # the model's own names, in its order
+        for name, value in expected.items():
+            assert converted[name].dtype == value.dtype and torch.equal(converted[name], value), name
+        plain = StatefulTransformer()
+        plain.load_state_dict(converted, strict=True)
+
+
+def test_convert_reports_a_damaged_checkpoint_and_writes_nothing(tmp_path):
+    run_ranks(_save_for_conversion, 1, str(tmp_path / "ckpt"), "fp32")
+    _damage(tmp_path / "ckpt" / "global_step2" / "rank_00000.safetensors", "flip")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", str(tmp_path / "ckpt"),
+                           str(tmp_path / "model.safetensors")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "checksum mismatch in" in done.stderr and "rank_00000.safetensors" in done.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def _save_repeatedly(rank, world_size, ckpt, keep_last):
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2, checkpoint={"keep_last": keep_last}))
+    listings = []
+    for step in range(4):
+        _train(model, engine, rank, world_size, range(step, step + 1))
+        engine.save_checkpoint(ckpt)
+        torch.distributed.barrier()
+        listings.append(sorted(os.listdir(ckpt)))
+    return listings
+
+
+@pytest.mark.parametrize("keep_last", [2, 0])
+def test_keep_last_removes_older_checkpoints_only_after_the_new_one_is_complete(tmp_path, keep_last):
+    listings = run_ranks(_save_repeatedly, 2, str(tmp_path), keep_last)[0]
+    steps = [f"global_step{i}" for i in range(1, 5)]
+    for i, listing in enumerate(listings):
+        kept = steps[:i + 1] if keep_last == 0 else steps[max(0, i + 1 - keep_last):i + 1]
+        assert listing == sorted(kept + ["latest"]), (i, listing)
+    assert (tmp_path / "latest").read_text() == "global_step4"

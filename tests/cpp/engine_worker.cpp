@@ -48,8 +48,8 @@ double gradNorm(torch::nn::Module& model) {
   return std::sqrt(squares);
 }
 
-torch::nn::Sequential makeModel() {
-  torch::manual_seed(0);
+torch::nn::Sequential makeModel(uint64_t seed = 0) {
+  torch::manual_seed(seed);
   return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Functional(torch::tanh),
                                torch::nn::Linear(16, 3));
 }
@@ -217,6 +217,51 @@ void batchSizeMismatch() {
   TORCH_CHECK(false, "train_batch_size ", wrong, " at world size ", world, " was accepted");
 }
 
+// saveCheckpoint after two steps, then loadCheckpoint into a second engine over a differently
+// initialized model (same process group): it holds the same parameters at once, gets the client
+// state back, and the two train on in lockstep with identical losses and parameters.
+void checkpointResume(const std::string& dir) {
+  auto group = zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60));
+  const auto config = zeroshard::Config::fromJsonString(stage2Config());
+  auto model = makeModel(0);
+  zeroshard::Engine engine(*model, group, config);
+  const int world = engine.worldSize();
+  const int rank = engine.rank();
+  auto trainStep = [&](torch::nn::Sequential& m, zeroshard::Engine& e, int step) {
+    const Batch batch = globalBatch(step, world);
+    auto loss = torch::mse_loss(m->forward(batch.x.narrow(0, rank * kMicro, kMicro)),
+                                batch.y.narrow(0, rank * kMicro, kMicro));
+    e.backward(loss);
+    e.step();
+    return loss.item<double>();
+  };
+  for (int step = 0; step < 2; ++step) trainStep(model, engine, step);
+  const std::string path = engine.saveCheckpoint(dir, "", "resume at step 2");
+  TORCH_CHECK(path == dir + "/global_step2", "saveCheckpoint returned '", path, "'");
+
+  auto resumed = makeModel(7);
+  zeroshard::Engine resumedEngine(*resumed, group, config);
+  const auto loaded = resumedEngine.loadCheckpoint(dir);
+  TORCH_CHECK(loaded.tag == "global_step2" && loaded.clientState == "resume at step 2", "loaded tag '", loaded.tag,
+              "', client state '", loaded.clientState, "'");
+  TORCH_CHECK(resumedEngine.globalSteps() == 2, "the loaded engine is at step ", resumedEngine.globalSteps());
+  auto compare = [&](const std::string& when) {
+    const auto want = model->named_parameters();
+    for (const auto& item : resumed->named_parameters()) {
+      TORCH_CHECK(torch::equal(item.value(), want[item.key()]), when, ": parameter '", item.key(),
+                  "' differs between the uninterrupted engine and the loaded one");
+    }
+  };
+  compare("right after loading");
+  for (int step = 2; step < 4; ++step) {
+    const double a = trainStep(model, engine, step);
+    const double b = trainStep(resumed, resumedEngine, step);
+    TORCH_CHECK(a == b, "step ", step, ": loss ", b, " after loading, ", a, " uninterrupted");
+  }
+  compare("two steps after loading");
+  std::cout << "rank " << rank << ": resumed run matches the uninterrupted one\n";
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -225,10 +270,11 @@ int main(int argc, char** argv) {
       {"stage2_accounting", stage2Accounting},
       {"step_before_backward", stepBeforeBackward},
       {"batch_size_mismatch", batchSizeMismatch},
+      {"checkpoint_resume", [&] { checkpointResume(argc > 2 ? argv[2] : ""); }},
   };
-  if (argc != 2 || !scenarios.count(argv[1])) {
-    std::cerr << "usage: zeroshard_engine_worker "
-                 "stage2_parity|stage2_accounting|step_before_backward|batch_size_mismatch\n";
+  if (argc < 2 || argc > 3 || !scenarios.count(argv[1])) {
+    std::cerr << "usage: zeroshard_engine_worker stage2_parity|stage2_accounting|step_before_backward|"
+                 "batch_size_mismatch|checkpoint_resume DIR\n";
     return 2;
   }
   try {

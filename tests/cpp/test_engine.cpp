@@ -4,6 +4,7 @@
 #include "catch.h"
 
 #include "spawn_ranks.h"
+#include "temp_dir.h"
 
 #include <unistd.h>
 
@@ -46,6 +47,16 @@ TEST_CASE("engine.step() before any backward is an error that says to call backw
 TEST_CASE("a train_batch_size the world size cannot produce is a ConfigError naming both numbers", "[engine]") {
   auto outcomes = runScenario("batch_size_mismatch", 2);
   for (const auto& o : outcomes) CHECK(o.output.find("expected error") != std::string::npos);
+}
+
+TEST_CASE("from C++, a checkpoint saved at 2 ranks loads into a fresh engine that trains on identically",
+          "[engine][checkpoint]") {
+  zeroshard::testing::TempDir dir;
+  const std::vector<std::string> args = {"checkpoint_resume", dir.path().string()};
+  auto outcomes = spawnRanks(ZEROSHARD_ENGINE_WORKER, args, 2);
+  INFO(describeFailures(outcomes));
+  REQUIRE(describeFailures(outcomes).empty());
+  CHECK(outcomes[0].output.find("resumed run matches the uninterrupted one") != std::string::npos);
 }
 
 #ifdef ZEROSHARD_TRAIN_EXAMPLE

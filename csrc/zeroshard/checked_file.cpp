@@ -16,12 +16,6 @@ namespace {
 
 std::string errnoText() { return std::strerror(errno); }
 
-std::string hex(uint32_t v) {
-  char text[9];
-  std::snprintf(text, sizeof(text), "%08x", v);
-  return text;
-}
-
 } // namespace
 
 CheckedFileWriter::CheckedFileWriter(std::string path, int64_t chunkBytes) : path_(std::move(path)) {
@@ -114,8 +108,8 @@ const std::vector<char>& CheckedFileReader::chunk(int64_t index) {
   }
   const uint32_t crc = crc32Update(0, cached_.data(), cached_.size());
   TORCH_CHECK(crc == expected_.chunkCrcs[static_cast<size_t>(index)], "zeroshard checkpoint: checksum mismatch in '",
-              path_, "' bytes [", begin, ", ", begin + size, "): CRC-32 ", hex(crc), ", manifest ",
-              hex(expected_.chunkCrcs[static_cast<size_t>(index)]), "; the file is corrupt");
+              path_, "' bytes [", begin, ", ", begin + size, "): CRC-32 ", crc32Hex(crc), ", manifest ",
+              crc32Hex(expected_.chunkCrcs[static_cast<size_t>(index)]), "; the file is corrupt");
   cachedIndex_ = index;
   return cached_;
 }

@@ -5,25 +5,12 @@
 #include <nlohmann/json.hpp>
 
 #include "zeroshard/crc32.h"
-
-#include <cstdio>
+#include "zeroshard/safetensors.h"
 
 namespace zeroshard {
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-constexpr std::pair<at::ScalarType, const char*> kDtypeNames[] = {
-    {at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"}, {at::kHalf, "float16"}, {at::kDouble, "float64"},
-    {at::kLong, "int64"},    {at::kInt, "int32"},         {at::kShort, "int16"},  {at::kChar, "int8"},
-    {at::kByte, "uint8"},    {at::kBool, "bool"},
-};
-
-std::string hex(uint32_t v) {
-  char text[9];
-  std::snprintf(text, sizeof(text), "%08x", v);
-  return text;
-}
 
 uint32_t fromHex(const std::string& text) {
   TORCH_CHECK(text.size() == 8 && text.find_first_not_of("0123456789abcdef") == std::string::npos,
@@ -37,7 +24,7 @@ Json hyperJson(const AdamWHyper& h) {
 
 Json fileJson(const FileDigest& f) {
   Json crcs = Json::array();
-  for (uint32_t c : f.chunkCrcs) crcs.push_back(hex(c));
+  for (uint32_t c : f.chunkCrcs) crcs.push_back(crc32Hex(c));
   return {{"name", f.name}, {"bytes", f.bytes}, {"chunk_bytes", f.chunkBytes}, {"chunk_crc32", crcs}};
 }
 
@@ -68,8 +55,9 @@ Json bodyJson(const CheckpointManifest& m) {
   for (const auto& b : m.buffers) j["buffers"].push_back({{"numel", b.numel}, {"shard_numel", b.shardNumel}});
   j["params"] = Json::array();
   for (const auto& p : m.params) {
-    j["params"].push_back({{"name", p.name}, {"shape", p.shape}, {"group", p.group}, {"buffer", p.buffer},
-                           {"offset", p.offset}});
+    // "dtype" is the model's (the compute dtype); the saved values are the fp32 master weights.
+    j["params"].push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", dtypeName(m.computeDtype)},
+                           {"group", p.group}, {"buffer", p.buffer}, {"offset", p.offset}});
   }
   j["aliases"] = Json::object();
   for (const auto& [alias, target] : m.aliases) j["aliases"][alias] = target;
@@ -145,20 +133,6 @@ int64_t SavedParam::numel() const {
   return n;
 }
 
-std::string dtypeName(at::ScalarType dtype) {
-  for (const auto& [type, name] : kDtypeNames) {
-    if (type == dtype) return name;
-  }
-  TORCH_CHECK(false, "zeroshard checkpoint: dtype ", dtype, " cannot be saved");
-}
-
-at::ScalarType dtypeFromName(const std::string& name) {
-  for (const auto& [type, text] : kDtypeNames) {
-    if (name == text) return type;
-  }
-  TORCH_CHECK(false, "zeroshard checkpoint: unknown dtype '", name, "'");
-}
-
 std::string CheckpointManifest::rankFileName(int rank) {
   char name[32];
   std::snprintf(name, sizeof(name), "rank_%05d.safetensors", rank);
@@ -189,7 +163,7 @@ const FileDigest& CheckpointManifest::file(const std::string& name) const {
 // is the one that was written.
 std::string CheckpointManifest::toJsonText() const {
   const std::string body = bodyJson(*this).dump(1);
-  return "{\"body_crc32\": \"" + hex(crc32Update(0, body.data(), body.size())) + "\",\n\"manifest\": " + body + "}\n";
+  return "{\"body_crc32\": \"" + crc32Hex(crc32Update(0, body.data(), body.size())) + "\",\n\"manifest\": " + body + "}\n";
 }
 
 CheckpointManifest CheckpointManifest::fromJsonText(const std::string& text, const std::string& where) {
@@ -204,7 +178,7 @@ CheckpointManifest CheckpointManifest::fromJsonText(const std::string& text, con
     const std::string body = j.at("manifest").dump(1);
     const uint32_t crc = crc32Update(0, body.data(), body.size());
     const std::string recorded = j.at("body_crc32").get<std::string>();
-    TORCH_CHECK(hex(crc) == recorded, "checksum mismatch (CRC-32 ", hex(crc), ", recorded ", recorded,
+    TORCH_CHECK(crc32Hex(crc) == recorded, "checksum mismatch (CRC-32 ", crc32Hex(crc), ", recorded ", recorded,
                 "): the manifest is corrupt");
     return fromBody(j.at("manifest"));
   } catch (const nlohmann::json::exception& e) {

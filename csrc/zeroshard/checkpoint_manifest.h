@@ -90,7 +90,5 @@ struct CheckpointManifest {
   static CheckpointManifest fromJsonText(const std::string& text, const std::string& where);
 };
 
-std::string dtypeName(at::ScalarType dtype);        // "float32", "bfloat16", ...
-at::ScalarType dtypeFromName(const std::string& name);
 
 } // namespace zeroshard

@@ -1,6 +1,7 @@
 #include "zeroshard/crc32.h"
 
 #include <array>
+#include <cstdio>
 #include <cstring>
 
 namespace zeroshard {
@@ -50,6 +51,12 @@ uint32_t crc32Update(uint32_t crc, const void* data, size_t size) {
   }
   while (size-- > 0) c = (c >> 8) ^ t[0][(c ^ *p++) & 0xFF];
   return ~c;
+}
+
+std::string crc32Hex(uint32_t crc) {
+  char text[9];
+  std::snprintf(text, sizeof(text), "%08x", crc);
+  return text;
 }
 
 } // namespace zeroshard

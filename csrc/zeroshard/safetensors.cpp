@@ -14,11 +14,32 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-constexpr std::pair<at::ScalarType, const char*> kDtypes[] = {
-    {at::kFloat, "F32"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"}, {at::kDouble, "F64"},
-    {at::kLong, "I64"},  {at::kInt, "I32"},       {at::kShort, "I16"}, {at::kChar, "I8"},
-    {at::kByte, "U8"},   {at::kBool, "BOOL"},
+// Each dtype a checkpoint may hold: its safetensors name and the name torch prints.
+struct DtypeNames {
+  at::ScalarType type;
+  const char* safetensors;
+  const char* torch;
 };
+constexpr DtypeNames kDtypes[] = {
+    {at::kFloat, "F32", "float32"}, {at::kBFloat16, "BF16", "bfloat16"}, {at::kHalf, "F16", "float16"},
+    {at::kDouble, "F64", "float64"}, {at::kLong, "I64", "int64"},         {at::kInt, "I32", "int32"},
+    {at::kShort, "I16", "int16"},   {at::kChar, "I8", "int8"},            {at::kByte, "U8", "uint8"},
+    {at::kBool, "BOOL", "bool"},
+};
+
+const DtypeNames& namesOf(at::ScalarType dtype) {
+  for (const auto& names : kDtypes) {
+    if (names.type == dtype) return names;
+  }
+  TORCH_CHECK(false, "zeroshard: dtype ", dtype, " cannot be saved");
+}
+
+at::ScalarType dtypeNamed(const std::string& name, const char* DtypeNames::*field) {
+  for (const auto& names : kDtypes) {
+    if (name == names.*field) return names.type;
+  }
+  TORCH_CHECK(false, "zeroshard: unknown or unsupported dtype '", name, "'");
+}
 
 // Header lengths beyond this are not a safetensors file (the format's own reader caps them).
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;
@@ -31,19 +52,13 @@ int64_t TensorEntry::numel() const {
   return n;
 }
 
-std::string safetensorsDtype(at::ScalarType dtype) {
-  for (const auto& [type, name] : kDtypes) {
-    if (type == dtype) return name;
-  }
-  TORCH_CHECK(false, "zeroshard: dtype ", dtype, " has no safetensors name");
-}
+std::string safetensorsDtype(at::ScalarType dtype) { return namesOf(dtype).safetensors; }
 
-at::ScalarType dtypeFromSafetensors(const std::string& name) {
-  for (const auto& [type, text] : kDtypes) {
-    if (name == text) return type;
-  }
-  TORCH_CHECK(false, "zeroshard: safetensors dtype '", name, "' is not supported");
-}
+at::ScalarType dtypeFromSafetensors(const std::string& name) { return dtypeNamed(name, &DtypeNames::safetensors); }
+
+std::string dtypeName(at::ScalarType dtype) { return namesOf(dtype).torch; }
+
+at::ScalarType dtypeFromName(const std::string& name) { return dtypeNamed(name, &DtypeNames::torch); }
 
 SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorEntry> entries,
                                      const std::map<std::string, std::string>& metadata)

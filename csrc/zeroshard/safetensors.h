@@ -25,9 +25,11 @@ struct TensorEntry {
   int64_t numel() const;
 };
 
-// The safetensors name of a dtype ("F32", "BF16", ...), and back.
+// The safetensors name of a dtype ("F32", "BF16", ...), and back; and torch's ("float32", ...).
 std::string safetensorsDtype(at::ScalarType dtype);
 at::ScalarType dtypeFromSafetensors(const std::string& name);
+std::string dtypeName(at::ScalarType dtype);
+at::ScalarType dtypeFromName(const std::string& name);
 
 // Writes the header for `entries` (their byte ranges are assigned here, in order) on
 // construction; then each tensor's bytes, in the same order, through write().

@@ -296,7 +296,8 @@ def _save_for_conversion(rank, world_size, ckpt, precision):
     engine = zeroshard.initialize(model, _config(world_size, 3, precision))
     _train(model, engine, rank, world_size, range(2))
     engine.save_checkpoint(ckpt)
-    return engine.full_state_dict() if rank == 0 else None
+    state = engine.full_state_dict()  # collective: every rank gathers
+    return state if rank == 0 else None
 
 
 def _convert(*args):

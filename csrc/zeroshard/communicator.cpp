@@ -62,13 +62,27 @@ bool CommHandle::pending() const {
   return static_cast<bool>(work_);
 }
 
+bool CommHandle::completed() const {
+  return !work_ || work_->isCompleted();
+}
+
 void CommHandle::wait() {
   if (!work_) {
     return;
   }
   auto work = std::move(work_);
   try {
-    work->wait(timeout_);
+    // Note [stream-ordered wait]: on a GPU, c10d's Work::wait() with no timeout only makes the
+    // current stream wait for the collective's stream, and the host goes on queueing compute;
+    // any timeout would make it block the host until the collective ends, serialising compute
+    // behind communication. The process group's own timeout (set from the same config value)
+    // and NCCL's watchdog still turn a hung collective into an error. CPU collectives (Gloo)
+    // complete on the host, so there the wait is a host wait bounded by the timeout.
+    if (timeout_.count() > 0) {
+      work->wait(timeout_);
+    } else {
+      work->wait();
+    }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "zeroshard: ", description_, " failed: ", e.what_without_backtrace(),
                 " (A peer rank may have exited or stalled; its own log holds the first error.)");
@@ -139,6 +153,10 @@ std::function<void()> scaleAfter(const at::Tensor& t, double scale) {
 
 } // namespace
 
+std::chrono::milliseconds Communicator::hostWaitTimeout(const at::Tensor& tensor) const {
+  return tensor.device().is_cpu() ? timeout_ : std::chrono::milliseconds(0);  // Note [stream-ordered wait]
+}
+
 CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& flat) {
   checkShardPair("all_gather", shard, flat, worldSize_);
   stats_.record(CollectiveKind::kAllGather, static_cast<int64_t>(flat.nbytes()));
@@ -151,7 +169,7 @@ CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& fl
 #else
   auto work = group_->_allgather_base(out, in, opts);
 #endif
-  return CommHandle(std::move(work), {}, describe(CollectiveKind::kAllGather, flat), timeout_);
+  return CommHandle(std::move(work), {}, describe(CollectiveKind::kAllGather, flat), hostWaitTimeout(flat));
 }
 
 CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor& shard, double scale) {
@@ -168,7 +186,7 @@ CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor&
   auto work = group_->_reduce_scatter_base(out, in, opts);
 #endif
   return CommHandle(std::move(work), scaleAfter(shard, scale), describe(CollectiveKind::kReduceScatter, flat),
-                    timeout_);
+                    hostWaitTimeout(flat));
 }
 
 CommHandle Communicator::allReduce(const at::Tensor& tensor, double scale) {
@@ -180,7 +198,7 @@ CommHandle Communicator::allReduce(const at::Tensor& tensor, double scale) {
   opts.timeout = timeout_;
   auto work = group_->allreduce(tensors, opts);
   return CommHandle(std::move(work), scaleAfter(tensor, scale), describe(CollectiveKind::kAllReduce, tensor),
-                    timeout_);
+                    hostWaitTimeout(tensor));
 }
 
 CommHandle Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -193,7 +211,7 @@ CommHandle Communicator::broadcast(const at::Tensor& tensor, int root) {
   opts.rootRank = root;
   opts.timeout = timeout_;
   auto work = group_->broadcast(tensors, opts);
-  return CommHandle(std::move(work), {}, describe(CollectiveKind::kBroadcast, tensor), timeout_);
+  return CommHandle(std::move(work), {}, describe(CollectiveKind::kBroadcast, tensor), hostWaitTimeout(tensor));
 }
 
 } // namespace zeroshard

@@ -53,6 +53,7 @@ class CommStats {
 class CommHandle {
  public:
   CommHandle();
+  // `timeout` bounds a host wait; 0 makes wait() stream-ordered (Note [stream-ordered wait]).
   CommHandle(
       c10::intrusive_ptr<c10d::Work> work,
       std::function<void()> onComplete,
@@ -67,6 +68,8 @@ class CommHandle {
   // error naming the collective, its size and the rank when it fails or times out.
   void wait();
   bool pending() const;
+  // Whether the collective has finished (never blocks); wait() is then immediate.
+  bool completed() const;
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
@@ -106,6 +109,9 @@ class Communicator {
 
  private:
   std::string describe(CollectiveKind kind, const at::Tensor& tensor) const;
+  // What CommHandle::wait() bounds a host wait by: the timeout for CPU tensors; 0 (a
+  // stream-ordered wait, bounded by the process group's own timeout) for device tensors.
+  std::chrono::milliseconds hostWaitTimeout(const at::Tensor& tensor) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_ = 0;

@@ -243,16 +243,18 @@ void Engine::finishStep() {
 void Engine::clipGradients() {
   const double maxNorm = config_.gradientClipping;
   if (maxNorm <= 0) return;
-  double squares = optimizer_.localGradSquareSum();
-  if (stage() > 0) {
-    // Each rank holds a disjoint shard of the reduced gradients.
-    auto total = at::full({1}, squares, at::TensorOptions().dtype(at::kDouble).device(buckets_.front().flatParams().device()));
-    comm_.allReduce(total).wait();
-    squares = total.item<double>();
+  at::Tensor squares = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
+  // Each rank holds a disjoint shard of the reduced gradients.
+  if (stage() > 0) comm_.allReduce(squares).wait();
+  lastGradNorm_ = squares.sqrt();
+  if (lastGradNorm_.device().is_cpu()) {
+    const double coef = maxNorm / (lastGradNorm_.item<double>() + 1e-6);
+    if (coef < 1.0) optimizer_.scaleGrads(coef);
+  } else {
+    // On a GPU the decision stays on the device: scaling by min(1, coef) costs a pass over the
+    // gradient shards but no host synchronisation in the step.
+    optimizer_.scaleGrads(lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0));
   }
-  lastGradNorm_ = std::sqrt(squares);
-  const double coef = maxNorm / (lastGradNorm_ + 1e-6);
-  if (coef < 1.0) optimizer_.scaleGrads(coef);
 }
 
 void Engine::gatherParams() {

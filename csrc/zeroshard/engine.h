@@ -119,7 +119,8 @@ class Engine {
   double lossScale() const { return scaler_ ? scaler_->scale() : 1.0; }
   int64_t skippedSteps() const { return skippedSteps_; }
   // The global gradient norm before clipping, from the last optimizer step (0 before any).
-  double lastGradNorm() const { return lastGradNorm_; }
+  // Reading it synchronises with the device (it is kept there).
+  double lastGradNorm() const { return lastGradNorm_.defined() ? lastGradNorm_.item<double>() : 0.0; }
 
   MemoryStats memoryStats() const;
   // Collectives of the last completed optimizer step (all its micro-batches), by kind.
@@ -195,7 +196,7 @@ class Engine {
   ModuleState moduleState_;
   int64_t microSteps_ = 0;
   bool backwardSinceStep_ = false;
-  double lastGradNorm_ = 0;
+  at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   CommStats lastStepStats_;
   int64_t lastPeakGatheredBytes_ = 0;
 };

@@ -121,7 +121,22 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
   }
 }
 
+// Note [staging lifetime]: a reduction's completion holds its staging buffer (a full-size
+// gradient copy at stages 2 and 3). Completions of reductions that have finished run as soon
+// as the next bucket launches, oldest first, so at most the reductions still in flight hold a
+// buffer, rather than every bucket of the backward until its end.
+void GradReducer::retireCompleted() {
+  size_t done = 0;
+  while (done < inFlight_.size() && inFlight_[done].handle.completed()) {
+    inFlight_[done].handle.wait();
+    if (inFlight_[done].then) inFlight_[done].then();
+    ++done;
+  }
+  inFlight_.erase(inFlight_.begin(), inFlight_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
 void GradReducer::launch(size_t bucket) {
+  retireCompleted();
   auto& b = buckets_[bucket];
   launched_[bucket] = 1;
   double mean = 1.0 / comm_.worldSize();

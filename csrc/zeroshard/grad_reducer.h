@@ -56,6 +56,7 @@ class GradReducer {
   };
   bool reducesThisBackward() const;
   void launch(size_t bucket);
+  void retireCompleted();
   void registerHooks();
   void removeHooks();
 

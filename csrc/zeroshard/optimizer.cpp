@@ -72,17 +72,21 @@ void ShardedAdamW::discardPrepared() {
   for (auto& g : groups_) g.prepared.clear();
 }
 
-double ShardedAdamW::localGradSquareSum() const {
-  double sum = 0;
+at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) const {
+  at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (const auto& g : groups_) {
-    for (const auto& grad : g.prepared) {
-      sum += grad.to(at::kDouble).square().sum().item<double>();
-    }
+    for (const auto& grad : g.prepared) sum.add_(grad.to(at::kDouble).square().sum());
   }
   return sum;
 }
 
 void ShardedAdamW::scaleGrads(double factor) {
+  for (auto& g : groups_) {
+    for (auto& grad : g.prepared) grad.mul_(factor);
+  }
+}
+
+void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
   for (auto& g : groups_) {
     for (auto& grad : g.prepared) grad.mul_(factor);
   }

@@ -35,10 +35,13 @@ class ShardedAdamW {
   bool unscaleAndCheckOverflow(double inverseScale);
   // Drops the prepared gradients of a step that is skipped.
   void discardPrepared();
-  // Sum of squares of every prepared gradient on this rank, in double.
-  double localGradSquareSum() const;
+  // Sum of squares of every prepared gradient on this rank: a 0-dim double tensor on `device`
+  // (computed there, no host synchronisation).
+  at::Tensor localGradSquareSum(const at::Device& device) const;
   // Prepared grads *= factor (clipping).
   void scaleGrads(double factor);
+  // The same with a 0-dim tensor on the gradients' device (no host synchronisation).
+  void scaleGrads(const at::Tensor& factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
   void step();
 

@@ -87,8 +87,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
   group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
-  if (at::hasCUDA()) {
 #ifdef ZEROSHARD_WITH_NCCL
+  // One GPU per local rank, picked by LOCAL_RANK. With fewer GPUs than local ranks the group
+  // stays on Gloo and CPU tensors, as zeroshard.init_distributed does in Python.
+  if (at::hasCUDA() && env.localRank < static_cast<int>(c10::cuda::device_count())) {
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.localRank));
     auto ncclOptions = c10d::ProcessGroupNCCL::Options::create();
     ncclOptions->timeout = timeout;
@@ -96,11 +98,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
         c10::make_intrusive<c10d::PrefixStore>("nccl", store), env.rank, env.worldSize, ncclOptions);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  }
 #else
+  if (at::hasCUDA()) {
     TORCH_WARN_ONCE("zeroshard was built without NCCL; CUDA tensors cannot be communicated. "
                     "Rebuild against a CUDA build of torch.");
-#endif
   }
+#endif
   return group;
 }
 

@@ -1,9 +1,11 @@
 #include "zeroshard/checkpoint_convert.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "zeroshard/safetensors.h"
 
+#include <algorithm>
 #include <filesystem>
 
 namespace zeroshard {
@@ -14,13 +16,9 @@ namespace fs = std::filesystem;
 // The dtype and shape of a state-dict entry, from the manifest alone (the header comes first).
 TensorEntry entryOf(const CheckpointReader& reader, const std::string& name, std::optional<at::ScalarType> dtype) {
   const auto& m = reader.manifest();
-  std::string target = name;
-  for (const auto& [alias, param] : m.aliases) {
-    if (alias == name) target = param;
-  }
   TensorEntry e;
   e.name = name;
-  if (const SavedParam* p = reader.findParam(target)) {
+  if (const SavedParam* p = reader.paramOfStateDictEntry(name)) {
     e.shape = p->shape;
     e.dtype = at::kFloat;
   } else {
@@ -49,9 +47,32 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
   stagingName += target.filename().string();
   stagingName += ".partial";
   const fs::path staging = target.parent_path() / stagingName;
+  // Note [bounded conversion]: parameters are read into one reused fp32 buffer (and cast into
+  // one reused buffer of the output dtype), so memory stays at the largest parameter whatever
+  // the model's size; a fresh allocation per tensor leaves the heap holding many of them.
+  int64_t largest = 0;
+  for (const auto& e : entries) largest = std::max(largest, e.numel());
+  const at::Tensor values = at::empty({largest}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor cast;
+  if (dtype && *dtype != at::kFloat) cast = at::empty({largest}, at::TensorOptions().dtype(*dtype));
   {
     SafetensorsWriter writer(staging.string(), entries, {{"format", "pt"}});
-    for (size_t i = 0; i < names.size(); ++i) writer.write(reader.readStateDictEntry(names[i]).to(entries[i].dtype));
+    for (size_t i = 0; i < names.size(); ++i) {
+      const SavedParam* param = reader.paramOfStateDictEntry(names[i]);
+      if (!param) {
+        writer.write(reader.readModuleState(names[i]).to(entries[i].dtype));  // buffers: small
+        continue;
+      }
+      const at::Tensor v = values.narrow(0, 0, param->numel());
+      reader.readParam(*param, "master", 0, param->numel(), v.data_ptr<float>());
+      if (entries[i].dtype == at::kFloat) {
+        writer.write(v);
+      } else {
+        const at::Tensor c = cast.narrow(0, 0, param->numel());
+        c.copy_(v);
+        writer.write(c);
+      }
+    }
     writer.finish(target.filename().string());
   }
   fs::rename(staging, target);

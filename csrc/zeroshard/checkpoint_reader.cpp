@@ -103,12 +103,17 @@ std::vector<std::string> CheckpointReader::stateDictNames() const {
   return names;
 }
 
-at::Tensor CheckpointReader::readStateDictEntry(const std::string& name) {
-  if (findParam(name)) return readParam(name);
+const SavedParam* CheckpointReader::paramOfStateDictEntry(const std::string& name) const {
+  if (const SavedParam* param = findParam(name)) return param;
   for (const auto& [alias, target] : manifest_.aliases) {
-    if (alias == name) return readParam(target);
+    if (alias == name) return findParam(target);
   }
-  return readModuleState(name);
+  return nullptr;
+}
+
+at::Tensor CheckpointReader::readStateDictEntry(const std::string& name) {
+  const SavedParam* param = paramOfStateDictEntry(name);
+  return param ? readParam(param->name) : readModuleState(name);
 }
 
 } // namespace zeroshard

@@ -26,6 +26,9 @@ class CheckpointReader {
   const std::string& path() const { return path_; }
   // The trained parameter `name`, or nullptr.
   const SavedParam* findParam(const std::string& name) const;
+  // The trained parameter behind a state-dict name (itself, or the target of an alias), or
+  // nullptr for module state.
+  const SavedParam* paramOfStateDictEntry(const std::string& name) const;
 
   // Elements [begin, end) of parameter `param`'s `kind` (one of kStateKinds), flattened, into
   // `out` (end - begin floats).

@@ -68,10 +68,14 @@ void ShardedUnits::reshard(size_t u) {
   liveBytes_ -= static_cast<int64_t>(units_[u].flatParams().element_size()) * units_[u].layout().paddedNumel();
 }
 
+// The next unit is prefetched even when it is larger than stage3_prefetch_bucket_size, as
+// DeepSpeed always fetches the first parameters of its prefetch queue: with its default of 5e7
+// elements, a transformer block of a 1B model (about 5e7 elements) would otherwise never be
+// prefetched. Only 0 turns prefetch off; stage3_max_live_parameters still bounds it.
 void ShardedUnits::prefetch(size_t u) {
   if (states_[u] != UnitState::kSharded || prefetchElements_ <= 0) return;
   const int64_t numel = units_[u].layout().paddedNumel();
-  if (numel > prefetchElements_ || liveElements_ + numel > maxLiveElements_) return;
+  if (liveElements_ + numel > maxLiveElements_) return;
   startUnshard(u);
 }
 

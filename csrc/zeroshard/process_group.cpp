@@ -55,6 +55,9 @@ LaunchEnv readLaunchEnv() {
   env.rank = parseInt("RANK", requireVar("RANK"), 0, env.worldSize - 1);
   const char* local = std::getenv("LOCAL_RANK");
   env.localRank = local && *local ? parseInt("LOCAL_RANK", local, 0, env.worldSize - 1) : env.rank;
+  const char* localWorld = std::getenv("LOCAL_WORLD_SIZE");
+  env.localWorldSize =
+      localWorld && *localWorld ? parseInt("LOCAL_WORLD_SIZE", localWorld, 1, env.worldSize) : env.worldSize;
   env.masterAddr = requireVar("MASTER_ADDR");
   env.masterPort = parseInt("MASTER_PORT", requireVar("MASTER_PORT"), 1, 65535);
   return env;
@@ -88,9 +91,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
 #ifdef ZEROSHARD_WITH_NCCL
-  // One GPU per local rank, picked by LOCAL_RANK. With fewer GPUs than local ranks the group
-  // stays on Gloo and CPU tensors, as zeroshard.init_distributed does in Python.
-  if (at::hasCUDA() && env.localRank < static_cast<int>(c10::cuda::device_count())) {
+  // One GPU per local rank, picked by LOCAL_RANK. With fewer GPUs than local ranks every rank
+  // stays on Gloo and CPU tensors (the decision must be the same on all of them), as
+  // zeroshard.init_distributed does in Python.
+  if (at::hasCUDA() && env.localWorldSize <= static_cast<int>(c10::cuda::device_count())) {
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.localRank));
     auto ncclOptions = c10d::ProcessGroupNCCL::Options::create();
     ncclOptions->timeout = timeout;

@@ -17,6 +17,7 @@ struct LaunchEnv {
   int rank = 0;
   int worldSize = 1;
   int localRank = 0;
+  int localWorldSize = 1;  // ranks on this machine: LOCAL_WORLD_SIZE, else the world size
   std::string masterAddr;
   int masterPort = 0;
 };

@@ -49,7 +49,9 @@ def init_distributed(timeout_seconds=600.0):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+    # A GPU for every rank on this machine, or none used: all ranks must choose alike.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
         torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))

@@ -23,6 +23,9 @@ void bindCheckpoint(py::module_& m) {
       .def_property_readonly("stage", [](const CheckpointReader& r) { return r.manifest().stage; })
       .def_property_readonly("global_steps", [](const CheckpointReader& r) { return r.manifest().globalSteps; })
       .def("state_dict_names", &CheckpointReader::stateDictNames)
+      .def("is_trained_parameter",
+           [](const CheckpointReader& r, const std::string& name) { return r.paramOfStateDictEntry(name) != nullptr; },
+           "name"_a, "Whether a state-dict name is a trained parameter (or a second name of one).")
       .def("read", &CheckpointReader::readStateDictEntry, "name"_a, py::call_guard<py::gil_scoped_release>(),
            "The full tensor for a state-dict name, on CPU (trained parameters: fp32 master weights).")
       .def("client_state", [](CheckpointReader& r) { return py::bytes(r.readClientState()); })

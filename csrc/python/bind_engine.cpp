@@ -91,22 +91,23 @@ void bindEngine(py::module_& m) {
            },
            "keys"_a, "tensors"_a, "aliases"_a)
       .def("save_checkpoint",
-           [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState) {
+           [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState,
+              const std::string& rankError) {
              std::string bytes = clientState;
              py::gil_scoped_release noGil;
-             return e.saveCheckpoint(dir, tag, bytes);
+             return e.saveCheckpoint(dir, tag, bytes, rankError);
            },
-           "dir"_a, "tag"_a = "", "client_state"_a = py::bytes())
+           "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",
-           [](Engine& e, const std::string& dir, const std::string& tag) {
+           [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError) {
              LoadedCheckpoint loaded;
              {
                py::gil_scoped_release noGil;
-               loaded = e.loadCheckpoint(dir, tag);
+               loaded = e.loadCheckpoint(dir, tag, rankError);
              }
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
-           "dir"_a, "tag"_a = "")
+           "dir"_a, "tag"_a = "", "rank_error"_a = "")
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
       .def("get_lr", &Engine::learningRate, "group"_a = 0);
 }

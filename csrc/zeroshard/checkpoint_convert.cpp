@@ -20,18 +20,18 @@ TensorEntry entryOf(const CheckpointReader& reader, const std::string& name, std
   e.name = name;
   if (const SavedParam* p = reader.paramOfStateDictEntry(name)) {
     e.shape = p->shape;
-    e.dtype = at::kFloat;
-  } else {
-    const SavedTensor* found = nullptr;
-    for (const auto& t : m.moduleState) {
-      if (t.name == name) found = &t;
-    }
-    TORCH_CHECK(found, "zeroshard convert: checkpoint '", reader.path(), "' lists state-dict name '", name,
-                "' but holds no tensor for it");
-    e.shape = found->shape;
-    e.dtype = found->dtype;
+    e.dtype = dtype.value_or(at::kFloat);  // trained parameters: the fp32 master weights, cast
+    return e;
   }
-  if (dtype && at::isFloatingType(e.dtype)) e.dtype = *dtype;
+  // Buffers and frozen parameters keep the dtype the model holds them in, as in its state dict.
+  const SavedTensor* found = nullptr;
+  for (const auto& t : m.moduleState) {
+    if (t.name == name) found = &t;
+  }
+  TORCH_CHECK(found, "zeroshard convert: checkpoint '", reader.path(), "' lists state-dict name '", name,
+              "' but holds no tensor for it");
+  e.shape = found->shape;
+  e.dtype = found->dtype;
   return e;
 }
 
@@ -55,12 +55,12 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
   const at::Tensor values = at::empty({largest}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor cast;
   if (dtype && *dtype != at::kFloat) cast = at::empty({largest}, at::TensorOptions().dtype(*dtype));
-  {
+  try {
     SafetensorsWriter writer(staging.string(), entries, {{"format", "pt"}});
     for (size_t i = 0; i < names.size(); ++i) {
       const SavedParam* param = reader.paramOfStateDictEntry(names[i]);
       if (!param) {
-        writer.write(reader.readModuleState(names[i]).to(entries[i].dtype));  // buffers: small
+        writer.write(reader.readModuleState(names[i]));  // buffers: small, kept as saved
         continue;
       }
       const at::Tensor v = values.narrow(0, 0, param->numel());
@@ -74,8 +74,12 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
       }
     }
     writer.finish(target.filename().string());
+    fs::rename(staging, target);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove(staging, ignored);  // never leave a partial file behind
+    throw;
   }
-  fs::rename(staging, target);
   return names.size();
 }
 

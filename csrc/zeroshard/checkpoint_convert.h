@@ -11,8 +11,9 @@
 
 namespace zeroshard {
 
-// Writes `out` as a .safetensors file (through a staging name, renamed when complete). With
-// `dtype`, every floating-point tensor is cast to it. Returns the number of tensors written.
+// Writes `out` as a .safetensors file (through a staging name, renamed when complete; removed on
+// failure). Trained parameters are written in `dtype` (default float32, the master weights);
+// buffers and frozen parameters keep their own dtype. Returns the number of tensors written.
 size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string& out,
                                     std::optional<at::ScalarType> dtype = std::nullopt);
 

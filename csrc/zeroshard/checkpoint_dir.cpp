@@ -6,6 +6,11 @@
 #include "zeroshard/checkpoint_manifest.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -18,6 +23,7 @@ namespace fs = std::filesystem;
 constexpr const char* kLatestFile = "latest";
 constexpr const char* kStagingPrefix = ".staging-";
 constexpr const char* kTrashPrefix = ".trash-";
+constexpr const char* kDefaultTagPrefix = "global_step";
 
 std::string readText(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -39,10 +45,12 @@ void removeCheckpoint(const fs::path& dir, const std::string& name) {
 } // namespace
 
 void checkTag(const std::string& tag) {
-  TORCH_CHECK(!tag.empty() && tag.find('/') == std::string::npos && tag[0] != '.' && tag != kLatestFile &&
-                  tag.find('\0') == std::string::npos,
-              "zeroshard checkpoint: tag '", tag, "' cannot name a checkpoint directory; use a non-empty name "
-              "without '/', not starting with '.', and not 'latest' (e.g. 'global_step100')");
+  const bool allowed = !tag.empty() && tag[0] != '.' && tag != kLatestFile &&
+                       std::all_of(tag.begin(), tag.end(), [](char c) {
+                         return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+                       });
+  TORCH_CHECK(allowed, "zeroshard checkpoint: tag '", tag, "' cannot name a checkpoint directory; use letters, "
+              "digits, '.', '_' and '-' only, not starting with '.', and not 'latest' (e.g. 'global_step100')");
 }
 
 std::string checkpointPath(const std::string& dir, const std::string& tag) {
@@ -59,7 +67,18 @@ void prepareStaging(const std::string& dir, const std::string& tag) {
   TORCH_CHECK(!ec, "zeroshard checkpoint: cannot create directory '", dir, "': ", ec.message());
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind(kStagingPrefix, 0) == 0 || name.rfind(kTrashPrefix, 0) == 0) fs::remove_all(entry.path());
+    if (name.rfind(kStagingPrefix, 0) == 0) {
+      fs::remove_all(entry.path());  // a save that never published
+    } else if (name.rfind(kTrashPrefix, 0) == 0) {
+      // A checkpoint on its way out. If its own name is free, a publish that replaced it died
+      // half way (Note [crash-safe publish]): it is still the complete one, so it goes back.
+      const fs::path original = entry.path().parent_path() / name.substr(std::strlen(kTrashPrefix));
+      if (fs::exists(original)) {
+        fs::remove_all(entry.path());
+      } else {
+        fs::rename(entry.path(), original);
+      }
+    }
   }
   fs::create_directory(stagingPath(dir, tag), ec);
   TORCH_CHECK(!ec, "zeroshard checkpoint: cannot create '", stagingPath(dir, tag), "': ", ec.message());
@@ -67,19 +86,31 @@ void prepareStaging(const std::string& dir, const std::string& tag) {
 
 void publishCheckpoint(const std::string& dir, const std::string& tag) {
   const fs::path root(dir);
-  syncDirectory(stagingPath(dir, tag));
+  const std::string staged = stagingPath(dir, tag);
+  syncDirectory(staged);
   const fs::path target = root / tag;
-  // An older checkpoint of the same tag goes only once the new one is complete.
-  const bool replacing = fs::exists(target);
-  if (replacing) fs::rename(target, root / (kTrashPrefix + tag));
-  fs::rename(stagingPath(dir, tag), target);
+  if (fs::exists(target)) {
+    // Replacing a checkpoint of the same tag: one atomic exchange, so `tag` always names a
+    // complete checkpoint; the old one is then in the staging name, removed below.
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+      TORCH_CHECK(errno == EINVAL || errno == ENOSYS, "zeroshard checkpoint: replacing '", target.string(),
+                  "' failed: ", std::strerror(errno));
+      // No exchange on this file system: move the old one aside first. A crash between the two
+      // renames leaves it as .trash-<tag>, which the next save puts back.
+      fs::rename(target, root / (kTrashPrefix + tag));
+      fs::rename(staged, target);
+    }
+  } else {
+    fs::rename(staged, target);
+  }
   syncDirectory(dir);
 
   const fs::path latestStaging = root / (std::string(kStagingPrefix) + kLatestFile);
   writeCheckedFile(latestStaging.string(), kLatestFile, tag);
   fs::rename(latestStaging, root / kLatestFile);
   syncDirectory(dir);
-  if (replacing) fs::remove_all(root / (kTrashPrefix + tag));
+  fs::remove_all(staged);  // the replaced checkpoint, if there was one
+  fs::remove_all(root / (kTrashPrefix + tag));
 }
 
 std::string readLatestTag(const std::string& dir) {
@@ -87,7 +118,8 @@ std::string readLatestTag(const std::string& dir) {
   TORCH_CHECK(fs::exists(latest), "zeroshard checkpoint: no checkpoint in '", dir, "' (no '", kLatestFile,
               "' file); save one first or pass the tag to load");
   std::string tag = readText(latest);
-  while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
+  while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+  TORCH_CHECK(!tag.empty(), "zeroshard checkpoint: '", latest.string(), "' is empty; pass the tag to load");
   checkTag(tag);
   return tag;
 }
@@ -95,21 +127,16 @@ std::string readLatestTag(const std::string& dir) {
 std::vector<std::string> pruneCheckpoints(const std::string& dir, int64_t keepLast, const std::string& keepTag) {
   std::vector<std::string> removed;
   if (keepLast <= 0) return removed;
-  std::vector<std::pair<int64_t, std::string>> complete;  // (created, tag)
+  std::vector<std::pair<int64_t, std::string>> automatic;  // (step, tag)
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
-    const fs::path manifest = entry.path() / kManifestFile;
-    if (name.empty() || name[0] == '.' || !entry.is_directory() || !fs::exists(manifest)) continue;
-    try {
-      complete.emplace_back(CheckpointManifest::fromJsonText(readText(manifest), manifest.string()).createdUnixNs,
-                            name);
-    } catch (const c10::Error&) {
-      // Not a checkpoint this save can vouch for: left for a person to look at, never removed.
-    }
+    const auto step = defaultTagStep(name);
+    if (!step || !entry.is_directory() || !fs::exists(entry.path() / kManifestFile)) continue;
+    automatic.emplace_back(*step, name);
   }
-  std::sort(complete.begin(), complete.end(), std::greater<>());
+  std::sort(automatic.begin(), automatic.end(), std::greater<>());
   int64_t kept = 0;
-  for (const auto& [created, name] : complete) {
+  for (const auto& [step, name] : automatic) {
     if (name == keepTag || kept < keepLast) {
       ++kept;
       continue;
@@ -118,6 +145,23 @@ std::vector<std::string> pruneCheckpoints(const std::string& dir, int64_t keepLa
     removed.push_back(name);
   }
   return removed;
+}
+
+std::string defaultTag(int64_t step) {
+  return std::string(kDefaultTagPrefix) + std::to_string(step);
+}
+
+std::optional<int64_t> defaultTagStep(const std::string& tag) {
+  const size_t prefix = std::strlen(kDefaultTagPrefix);
+  if (tag.size() <= prefix || tag.compare(0, prefix, kDefaultTagPrefix) != 0 || tag.size() - prefix > 18) {
+    return std::nullopt;
+  }
+  int64_t step = 0;
+  for (size_t i = prefix; i < tag.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(tag[i]))) return std::nullopt;
+    step = step * 10 + (tag[i] - '0');
+  }
+  return step;
 }
 
 } // namespace zeroshard

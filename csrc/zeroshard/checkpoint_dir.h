@@ -3,12 +3,14 @@
 // (.staging-<tag>), flushed, and renamed to <tag> only when every file and the manifest are on
 // disk; `latest` is replaced (write, flush, rename) after that, and older checkpoints are
 // removed last. A save that dies at any point leaves the previous checkpoints and `latest` as
-// they were; its staging directory is removed by the next save.
+// they were; its staging directory is removed by the next save. Re-saving an existing tag swaps
+// the new directory in with one atomic rename (renameat2 RENAME_EXCHANGE).
 //
 // These functions run on one rank (rank 0); the engine orders them with the other ranks' writes.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,8 +29,12 @@ void prepareStaging(const std::string& dir, const std::string& tag);
 void publishCheckpoint(const std::string& dir, const std::string& tag);
 // The tag `latest` names; throws when there is none.
 std::string readLatestTag(const std::string& dir);
-// Removes the oldest complete checkpoints (by their manifests' creation time) until at most
-// `keepLast` remain, never `keepTag`; keepLast = 0 keeps all. Returns the removed tags.
+// Removes the oldest complete checkpoints with default tags ("global_step<N>", oldest = lowest
+// N) until at most `keepLast` of them remain, never `keepTag`; tags a person chose ("best")
+// are never removed, and keepLast = 0 keeps all. Returns the removed tags.
 std::vector<std::string> pruneCheckpoints(const std::string& dir, int64_t keepLast, const std::string& keepTag);
+// The default tag of a save after `step` accumulation boundaries, and back (nullopt for others).
+std::string defaultTag(int64_t step);
+std::optional<int64_t> defaultTagStep(const std::string& tag);
 
 } // namespace zeroshard

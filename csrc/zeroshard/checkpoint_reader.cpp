@@ -44,12 +44,16 @@ const SavedParam* CheckpointReader::findParam(const std::string& name) const {
 }
 
 SafetensorsReader& CheckpointReader::rankFile(int rank) {
-  auto& file = rankFiles_[rank];
-  if (!file) {
-    const std::string name = CheckpointManifest::rankFileName(rank);
-    file = std::make_unique<SafetensorsReader>((fs::path(path_) / name).string(), manifest_.file(name));
+  auto it = std::find_if(rankFiles_.begin(), rankFiles_.end(), [&](const auto& f) { return f.first == rank; });
+  if (it != rankFiles_.end()) {
+    std::rotate(it, it + 1, rankFiles_.end());  // now the most recently used
+    return *rankFiles_.back().second;
   }
-  return *file;
+  if (rankFiles_.size() == kOpenRankFiles) rankFiles_.erase(rankFiles_.begin());
+  const std::string name = CheckpointManifest::rankFileName(rank);
+  rankFiles_.emplace_back(rank, std::make_unique<SafetensorsReader>((fs::path(path_) / name).string(),
+                                                                    manifest_.file(name)));
+  return *rankFiles_.back().second;
 }
 
 void CheckpointReader::readParam(const SavedParam& param, const std::string& kind, int64_t begin, int64_t end,

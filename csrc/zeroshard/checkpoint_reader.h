@@ -9,7 +9,6 @@
 #include "zeroshard/checkpoint_manifest.h"
 #include "zeroshard/safetensors.h"
 
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,7 +50,10 @@ class CheckpointReader {
   std::string path_;
   CheckpointManifest manifest_;
   std::unordered_map<std::string, size_t> paramIndex_;
-  std::map<int, std::unique_ptr<SafetensorsReader>> rankFiles_;
+  // Open rank files, most recently used last; at most kOpenRankFiles stay open, so reading a
+  // checkpoint of many ranks holds a bounded number of descriptors and chunk caches.
+  static constexpr size_t kOpenRankFiles = 8;
+  std::vector<std::pair<int, std::unique_ptr<SafetensorsReader>>> rankFiles_;
   std::unique_ptr<SafetensorsReader> moduleState_;
 };
 

@@ -146,10 +146,14 @@ class Engine {
   // returns the published checkpoint's path; `tag` empty means "global_step<N>". clientState
   // is saved from rank 0. loadCheckpoint (tag empty: the `latest` one) works at any world size
   // and stage; each rank reads only the slices it holds, and on any error no state is changed
-  // on any rank.
+  // on any rank. `rankError`, when not empty, is an error this rank met before the call (e.g.
+  // serializing its client state): the call then fails on every rank, naming it, and changes
+  // nothing.
   void setModuleState(ModuleState state);
-  std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "");
-  LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "");
+  std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "",
+                             const std::string& rankError = "");
+  LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
+                                  const std::string& rankError = "");
 
   // Sets lr of one param group, or of all with group = -1 (for schedulers).
   void setLearningRate(double lr, int group = -1);
@@ -170,7 +174,7 @@ class Engine {
   at::Tensor savedShard(size_t bucket, size_t kind) const;
   FileDigest writeRankFile(const std::string& dir) const;
   void checkCheckpointMatches(const CheckpointManifest& manifest) const;
-  void agreeAcrossRanks(const std::string& what, const std::function<void()>& work);
+  void agreeAcrossRanks(const std::string& what, const std::string& outcome, const std::function<void()>& work);
   std::vector<std::string> gatherText(const std::string& text);
 
   Config config_;

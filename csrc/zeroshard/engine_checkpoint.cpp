@@ -133,7 +133,9 @@ FileDigest Engine::writeRankFile(const std::string& dir) const {
 // whether every other rank succeeded (one all-reduce of per-rank failure flags). A rank's
 // error then fails the call on all ranks, instead of one rank raising while the others carry
 // on to a collective that never completes; a dead rank surfaces as this all-reduce's error.
-void Engine::agreeAcrossRanks(const std::string& what, const std::function<void()>& work) {
+// `outcome` says what a failure leaves behind ("nothing was published").
+void Engine::agreeAcrossRanks(const std::string& what, const std::string& outcome,
+                              const std::function<void()>& work) {
   std::string error;
   try {
     work();
@@ -151,7 +153,8 @@ void Engine::agreeAcrossRanks(const std::string& what, const std::function<void(
     comm_.allReduce(failed).wait();
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed: another rank stopped answering (",
-                e.what_without_backtrace(), ")", error.empty() ? "" : "; this rank's own error: " + error);
+                e.what_without_backtrace(), ")", error.empty() ? "" : "; this rank's own error: " + error, "; ",
+                outcome);
   }
   const auto flags = failed.to(at::kCPU);
   std::vector<int> ranks;
@@ -159,11 +162,11 @@ void Engine::agreeAcrossRanks(const std::string& what, const std::function<void(
     if (flags[r].item<float>() > 0) ranks.push_back(r);
   }
   if (ranks.empty()) return;
-  TORCH_CHECK(error.empty(), "zeroshard checkpoint: ", what, " failed on rank ", rank(), ": ", error);
+  TORCH_CHECK(error.empty(), "zeroshard checkpoint: ", what, " failed on rank ", rank(), ": ", error, "; ", outcome);
   std::string list;
   for (int r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
-  TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed on rank(s) ", list,
-              " (their errors say why); this rank did not change anything");
+  TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed on rank(s) ", list, " (their errors say why); ",
+              outcome);
 }
 
 std::vector<std::string> Engine::gatherText(const std::string& text) {
@@ -188,22 +191,25 @@ std::vector<std::string> Engine::gatherText(const std::string& text) {
   return texts;
 }
 
-std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tagIn, const std::string& clientState) {
+std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tagIn, const std::string& clientState,
+                                   const std::string& rankError) {
   const int64_t accumulation = batchSizes_.accumulationSteps;
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
               "zeroshard: save_checkpoint() must be called between optimizer steps (after engine.step() ended an "
               "accumulation window); gradients of a partial window are not saved");
   const int64_t boundaries = microSteps_ / accumulation;
-  const std::string tag = tagIn.empty() ? "global_step" + std::to_string(boundaries) : tagIn;
+  const std::string tag = tagIn.empty() ? defaultTag(boundaries) : tagIn;
   checkTag(tag);
   const std::string staging = stagingPath(dir, tag);
   const std::string what = "saving '" + checkpointPath(dir, tag) + "'";
+  const std::string outcome = "nothing was published; the previous checkpoints and 'latest' are as they were";
 
-  agreeAcrossRanks(what, [&] {
+  agreeAcrossRanks(what, outcome, [&] {
+    TORCH_CHECK(rankError.empty(), rankError);
     if (rank() == 0) prepareStaging(dir, tag);
   });
   std::vector<FileDigest> digests;
-  agreeAcrossRanks(what, [&] {
+  agreeAcrossRanks(what, outcome, [&] {
     digests.push_back(writeRankFile(staging));
     if (rank() != 0) return;
     if (!moduleState_.tensors.empty()) {
@@ -218,7 +224,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
     }
   });
   const auto texts = gatherText(digestsText(digests));
-  agreeAcrossRanks(what, [&] {
+  agreeAcrossRanks(what, outcome, [&] {
     if (rank() != 0) return;
     CheckpointManifest m;
     m.tag = tag;
@@ -250,7 +256,13 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
                           .count();
     writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile, m.toJsonText());
     publishCheckpoint(dir, tag);
-    pruneCheckpoints(dir, config_.extras.checkpointKeepLast, tag);
+    try {
+      pruneCheckpoints(dir, config_.extras.checkpointKeepLast, tag);
+    } catch (const std::exception& e) {
+      // The new checkpoint is complete and `latest` names it: a stale one left over is no failure.
+      TORCH_WARN("zeroshard checkpoint: saved '", checkpointPath(dir, tag), "' but removing older checkpoints (",
+                 "zeroshard.checkpoint.keep_last = ", config_.extras.checkpointKeepLast, ") failed: ", e.what());
+    }
   });
   return checkpointPath(dir, tag);
 }
@@ -292,12 +304,14 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m) const {
     auto it = savedState.find(name);
     TORCH_CHECK(it != savedState.end(), "zeroshard: module state '", name, "' (a buffer or frozen parameter) is not in ",
                 where);
-    TORCH_CHECK(it->second->shape == t.sizes().vec(), "zeroshard: module state '", name, "' has shape ",
-                shapeText(t.sizes().vec()), " here but ", shapeText(it->second->shape), " in ", where);
+    TORCH_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == t.scalar_type(),
+                "zeroshard: module state '", name, "' is ", dtypeName(t.scalar_type()), " ",
+                shapeText(t.sizes().vec()), " here but ", dtypeName(it->second->dtype), " ",
+                shapeText(it->second->shape), " in ", where);
   }
 }
 
-LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag) {
+LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const std::string& rankError) {
   const int64_t accumulation = batchSizes_.accumulationSteps;
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
               "zeroshard: load_checkpoint() must be called between optimizer steps, not inside an accumulation "
@@ -308,7 +322,8 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
   std::vector<std::vector<at::Tensor>> staged(buckets_.size());
   std::vector<at::Tensor> moduleTensors;
   std::string clientState;
-  agreeAcrossRanks("loading from '" + dir + "'", [&] {
+  agreeAcrossRanks("loading from '" + dir + "'", "no rank changed anything", [&] {
+    TORCH_CHECK(rankError.empty(), rankError);
     reader = std::make_unique<CheckpointReader>(dir, tag.empty() ? std::nullopt : std::optional<std::string>(tag));
     checkCheckpointMatches(reader->manifest());
     for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -344,6 +359,8 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
     for (size_t i = 0; i < moduleTensors.size(); ++i) moduleState_.tensors[i].second.detach().copy_(moduleTensors[i]);
   }
   optimizer_.setStepCount(m.globalSteps);
+  // As torch's optimizer.load_state_dict: the saved hyper-parameters (a scheduler's lr
+  // included) win over the config's (docs/checkpoints.md).
   for (int g = 0; g < optimizer_.numGroups(); ++g) optimizer_.hyper(g) = m.groups[g];
   if (scaler_ && m.lossScaler) scaler_->restore(*m.lossScaler);
   skippedSteps_ = m.skippedSteps;

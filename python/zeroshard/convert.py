@@ -2,7 +2,8 @@
 
 CKPT is a checkpoint directory (or the directory holding several, with `latest`, or pick one
 with --tag). OUT ends in .safetensors or .pt. The result holds full tensors under the model's
-own state-dict names and loads with model.load_state_dict(..., strict=True). No GPU and no
+own state-dict names and loads with model.load_state_dict(..., strict=True): the trained
+parameters in --dtype, buffers and frozen parameters as the model held them. No GPU and no
 process group are needed; tensors are read, checked and written one at a time, so memory
 stays bounded by the largest tensor.
 """
@@ -76,27 +77,32 @@ def _write_torch_file(reader, out, dtype):
     names = reader.state_dict_names()
     partial = os.path.join(os.path.dirname(out) or ".", "." + os.path.basename(out) + ".partial")
     # The writer puts every record under one archive folder, as torch.save does.
-    writer = torch._C.PyTorchFileWriter(partial)
-    state = OrderedDict()
-    for i, name in enumerate(names):
-        tensor = reader.read(name)
-        if tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != nbytes:
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        key = str(i)
-        writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
-        state[name] = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), list(tensor.shape))
-        del tensor
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(state)
-    data = buffer.getvalue()
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    writer.write_end_of_file()
-    os.replace(partial, out)
+    try:
+        writer = torch._C.PyTorchFileWriter(partial)
+        state = OrderedDict()
+        for i, name in enumerate(names):
+            tensor = reader.read(name)
+            if reader.is_trained_parameter(name):  # buffers and frozen parameters keep their dtype
+                tensor = tensor.to(dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != nbytes:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            key = str(i)
+            writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
+            state[name] = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), list(tensor.shape))
+            del tensor
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=2).dump(state)
+        data = buffer.getvalue()
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        writer.write_end_of_file()
+        os.replace(partial, out)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)  # never leave a partial file behind
+        raise
     return len(names)
 
 
@@ -106,11 +112,12 @@ def main(argv=None):
     parser.add_argument("out", help="output file: *.safetensors or *.pt")
     parser.add_argument("--tag", default=None, help="which checkpoint of the save directory (default: latest)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
-                        help="dtype of every floating-point tensor (default fp32, the master weights)")
+                        help="dtype of the trained parameters (default fp32, the master weights); buffers "
+                             "and frozen parameters keep their own")
     args = parser.parse_args(argv)
     try:
         count = convert(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         print(f"zeroshard.convert: {e}", file=sys.stderr)
         return 1
     print(f"wrote {count} tensors to {args.out}")

@@ -92,11 +92,12 @@ def _param_groups(model, param_groups):
 class Engine:
     """Runs the model and its ZeRO-sharded training step (see zeroshard.initialize)."""
 
-    def __init__(self, module, core, config, hooks=()):
+    def __init__(self, module, core, config, hooks=(), trained=None):
         self.module = module
         self.config = config
         self._core = core
         self._hooks = list(hooks)
+        self._trained = trained or {}  # id(parameter) -> its name, for the trained parameters
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -145,24 +146,40 @@ class Engine:
 
         Every rank calls it between optimizer steps; each writes its own shards in parallel.
         The checkpoint becomes visible (and `latest` points at it) only once complete, and
-        zeroshard.checkpoint.keep_last older ones are kept. client_state (a dict of numbers,
-        strings, lists and tensors) is saved from rank 0 with torch.save. Returns the
-        checkpoint's path."""
-        blob = b""
-        if client_state is not None:
-            buffer = io.BytesIO()
-            torch.save(client_state, buffer)
-            blob = buffer.getvalue()
-        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob)
+        zeroshard.checkpoint.keep_last older ones are kept. client_state (numbers, strings,
+        containers and tensors: what torch.load(weights_only=True) reads) is saved from rank 0.
+        Returns the checkpoint's path. On any rank's error it fails on every rank."""
+        blob, error = b"", ""
+        if client_state is not None and self._core.rank == 0:
+            try:
+                blob = _client_state_bytes(client_state)
+            except Exception as e:  # reported on every rank by the collective save
+                error = f"client_state cannot be saved: {type(e).__name__}: {e}"
+        self._refresh_module_state()
+        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error)
 
     def load_checkpoint(self, load_dir, tag=None):
-        """Loads save_dir/tag (default: the one `latest` names) at any world size and stage.
+        """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
 
         Every rank calls it between optimizer steps; each reads only its own slices. Returns
         (path, client_state), as DeepSpeed does; on any error nothing changes on any rank."""
-        path, _tag, blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "")
-        client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
+        client_state, error = {}, ""
+        try:
+            # Read first: an unreadable client state must stop the load before it changes anything.
+            blob = _C.CheckpointReader(os.fspath(load_dir), tag).client_state()
+            client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
+        except RuntimeError as e:
+            error = str(e)
+        except Exception as e:
+            error = f"client_state cannot be read: {type(e).__name__}: {e}"
+        self._refresh_module_state()
+        path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", error)
         return path, client_state
+
+    def _refresh_module_state(self):
+        # Buffers may have been replaced since initialize() (a reassigned attribute, a lazily
+        # registered cache): the checkpoint takes the module's state as it is now.
+        self._core.set_module_state(*_module_state(self.module, self._trained))
 
     def set_lr(self, lr, group=-1):
         self._core.set_lr(lr, group)
@@ -204,15 +221,24 @@ def initialize(model, config, process_group=None, param_groups=None):
         units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
         core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
         hooks += stage3.install_hooks(core, model, units)
-    core.set_module_state(*_module_state(model, groups))
-    return Engine(model, core, cfg, hooks)
+    trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+    core.set_module_state(*_module_state(model, trained))
+    return Engine(model, core, cfg, hooks, trained)
 
 
-def _module_state(model, groups):
+def _client_state_bytes(client_state):
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    blob = buffer.getvalue()
+    # load_checkpoint reads it with weights_only=True: refuse now what it would refuse then.
+    torch.load(io.BytesIO(blob), weights_only=True)
+    return blob
+
+
+def _module_state(model, trained):
     """What a checkpoint needs besides the trained parameters: the state dict's names in
     order, the tensors the engine does not shard (buffers, frozen parameters), and second
-    names of trained parameters (tied weights)."""
-    trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+    names of trained parameters (tied weights). trained: id(parameter) -> name."""
     keys, tensors, aliases = [], [], []
     for key, value in model.state_dict(keep_vars=True).items():
         keys.append(key)

@@ -6,6 +6,7 @@
 #include "zeroshard/checkpoint_dir.h"
 #include "zeroshard/checkpoint_manifest.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -71,34 +72,63 @@ TEST_CASE("a manifest round-trips through its JSON text, and a changed digit fai
                  "'x/manifest.json' is not valid JSON"));
 }
 
-TEST_CASE("publishing moves latest last; pruning keeps the newest and never the one being kept",
+TEST_CASE("publishing moves latest last; pruning keeps the newest default tags and never a chosen one",
           "[checkpoint]") {
   TempDir dir;
   const std::string root = dir.path().string();
   CHECK(contains(errorText([&] { readLatestTag(root); }), "no checkpoint in"));
-  stageAndPublish(root, "a", 1);
-  stageAndPublish(root, "b", 2);
-  stageAndPublish(root, "c", 3);
-  CHECK(readLatestTag(root) == "c");
-  CHECK(readFile(dir / "latest") == "c");
-  CHECK(pruneCheckpoints(root, 2, "c") == std::vector<std::string>{"a"});
-  CHECK(!std::filesystem::exists(dir / "a"));
-  CHECK(pruneCheckpoints(root, 0, "c").empty());  // 0 keeps everything
-  // Republishing a tag replaces it.
-  stageAndPublish(root, "b", 4);
-  CHECK(readLatestTag(root) == "b");
-  CHECK(pruneCheckpoints(root, 1, "b") == std::vector<std::string>{"c"});
+  stageAndPublish(root, "best", 1);
+  stageAndPublish(root, "global_step9", 2);
+  stageAndPublish(root, "global_step10", 3);  // newer by step, though "9" sorts after "10" as text
+  stageAndPublish(root, "global_step11", 4);
+  CHECK(readLatestTag(root) == "global_step11");
+  CHECK(readFile(dir / "latest") == "global_step11");
+  CHECK(pruneCheckpoints(root, 2, "global_step11") == std::vector<std::string>{"global_step9"});
+  CHECK(std::filesystem::exists(dir / "best"));
+  CHECK(pruneCheckpoints(root, 0, "global_step11").empty());  // 0 keeps everything
+  CHECK(pruneCheckpoints(root, 1, "global_step11") == std::vector<std::string>{"global_step10"});
+  CHECK(std::filesystem::exists(dir / "best"));
+  CHECK(defaultTagStep("global_step42") == 42);
+  CHECK(!defaultTagStep("global_step4x").has_value());
+  CHECK(!defaultTagStep("best").has_value());
+}
 
-  // A staging directory is not a checkpoint; the next save removes it.
+TEST_CASE("re-publishing a tag swaps the new checkpoint in whole", "[checkpoint]") {
+  TempDir dir;
+  const std::string root = dir.path().string();
+  stageAndPublish(root, "same", 1);
+  stageAndPublish(root, "same", 2);
+  const auto manifest = CheckpointManifest::fromJsonText(readFile(dir / "same/manifest.json"), "manifest.json");
+  CHECK(manifest.createdUnixNs == 2);
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"latest", "same"});
+}
+
+TEST_CASE("the next save puts back a checkpoint that a dead publish had moved aside, and drops staging",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string root = dir.path().string();
+  stageAndPublish(root, "same", 1);
+  // The state a publish without an atomic exchange leaves if it dies between its two renames.
+  std::filesystem::rename(dir / "same", dir / ".trash-same");
+  std::filesystem::create_directories(stagingPath(root, "same"));
   std::filesystem::create_directories(stagingPath(root, "dead"));
-  CHECK(pruneCheckpoints(root, 1, "b").empty());
   prepareStaging(root, "next");
+  CHECK(std::filesystem::exists(dir / "same/manifest.json"));
+  CHECK(!std::filesystem::exists(dir / ".trash-same"));
   CHECK(!std::filesystem::exists(stagingPath(root, "dead")));
+  CHECK(std::filesystem::exists(stagingPath(root, "next")));
+  CHECK(readLatestTag(root) == "same");
 }
 
 TEST_CASE("tags that cannot name a checkpoint directory are refused", "[checkpoint]") {
-  for (const std::string tag : {"", "a/b", ".hidden", "latest"}) {
+  for (const std::string tag : {"", "a/b", ".hidden", "latest", "a b", "step\n", "x\ty"}) {
     CHECK(contains(errorText([&] { checkTag(tag); }), "cannot name a checkpoint directory"));
   }
   checkTag("global_step100");
+  checkTag("run-2.best_v1");
 }

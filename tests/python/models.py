@@ -72,6 +72,7 @@ class StatefulTransformer(TinyTransformer):
         self.head.weight = self.embed.weight
         self.frozen = nn.Parameter(torch.randn(self.vocab) * 0.1, requires_grad=False)
         self.register_buffer("temperature", torch.ones(()))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # a non-float buffer
 
     def forward(self, tokens):
         return super().forward(tokens) / self.temperature + self.frozen
@@ -79,6 +80,7 @@ class StatefulTransformer(TinyTransformer):
     @torch.no_grad()
     def advance(self):
         self.temperature.add_(0.01)
+        self.steps.add_(1)
 
 
 def make_stateful_model(seed=0):

@@ -65,6 +65,8 @@ def _save_and_continue(rank, world_size, stage, precision, ckpt):
     model = make_stateful_model(0)
     engine = zeroshard.initialize(model, _config(world_size, stage, precision))
     losses = _train(model, engine, rank, world_size, range(SAVED_STEPS))
+    # As a scheduler would: the checkpoint must carry this lr, not the config's.
+    engine.set_lr(LR * 0.5)
     path = engine.save_checkpoint(ckpt, client_state={"next_step": SAVED_STEPS, "note": "saved"})
     losses += _train(model, engine, rank, world_size, range(SAVED_STEPS, SAVED_STEPS + RESUMED_STEPS))
     state = engine.full_state_dict()
@@ -78,6 +80,7 @@ def _resume(rank, world_size, stage, precision, ckpt):
     model = make_stateful_model(seed=1234)
     engine = zeroshard.initialize(model, _config(world_size, stage, precision))
     path, client_state = engine.load_checkpoint(ckpt)
+    assert engine.get_lr() == LR * 0.5
     start = client_state["next_step"]
     losses = _train(model, engine, rank, world_size, range(start, start + RESUMED_STEPS))
     state = engine.full_state_dict()
@@ -90,6 +93,9 @@ def _reference():
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.05)
     losses = []
     for step in range(SAVED_STEPS + RESUMED_STEPS):
+        if step == SAVED_STEPS:
+            for group in opt.param_groups:
+                group["lr"] = LR * 0.5
         loss = model.loss(global_batch(step, GLOBAL))
         opt.zero_grad()
         loss.backward()
@@ -119,6 +125,7 @@ RESHARD_CASES = {
     "4_to_2_ranks_stage2_to_stage3": ((4, 2), (2, 3)),
     "4_to_1_rank_stage3_to_stage0": ((4, 3), (1, 0)),
     "stage2_to_stage3": ((2, 2), (2, 3)),
+    "1_rank_stage0_to_2_ranks_stage2": ((1, 0), (2, 2)),
 }
 
 
@@ -193,16 +200,19 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_intact_and_la
 
 def _damaged_loads(rank, world_size, ckpt, damages):
     """Saves once, then for each damage applies it to a copy and tries to load the copy.
-    Returns the error per damage, and whether the engine was left untouched by every failure."""
+    Returns the error per damage, and whether the failures left the engine untouched: its
+    parameters, step count and lr, and (through one more step, which reads exp_avg and
+    exp_avg_sq) its optimizer state, against a twin engine that never tried to load."""
     import shutil
 
     import zeroshard
 
-    model = make_stateful_model(0)
+    model, twin = make_stateful_model(0), make_stateful_model(0)
     engine = zeroshard.initialize(model, _config(world_size, 2))
-    _train(model, engine, rank, world_size, range(2))
+    twin_engine = zeroshard.initialize(twin, _config(world_size, 2))
+    for m, e in ((model, engine), (twin, twin_engine)):
+        _train(m, e, rank, world_size, range(2))
     engine.save_checkpoint(ckpt, tag="base")
-    before = engine.full_state_dict()
     errors = {}
     for name, (file, how) in damages.items():
         target = Path(ckpt) / name
@@ -215,9 +225,11 @@ def _damaged_loads(rank, world_size, ckpt, damages):
             errors[name] = None
         except RuntimeError as e:
             errors[name] = str(e)
-    after = engine.full_state_dict()
-    unchanged = all(torch.equal(before[k], after[k]) for k in before)
-    _train(model, engine, rank, world_size, range(2, 3))  # the engine still trains
+    unchanged = engine.global_steps == twin_engine.global_steps and engine.get_lr() == twin_engine.get_lr()
+    for m, e in ((model, engine), (twin, twin_engine)):
+        _train(m, e, rank, world_size, range(2, 3))
+    after, twin_after = engine.full_state_dict(), twin_engine.full_state_dict()
+    unchanged = unchanged and all(torch.equal(after[k], twin_after[k]) for k in after)
     return errors, unchanged
 
 
@@ -317,8 +329,11 @@ def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_mode
     dtype_flag = ["--dtype", "bf16"] if precision == "bf16" else []
     _convert(tmp_path / "ckpt", tmp_path / "model.safetensors", *dtype_flag)
     _convert(tmp_path / "ckpt", tmp_path / "model.pt", *dtype_flag)
-    expected = {k: v.to(torch.bfloat16) if precision == "bf16" and v.is_floating_point() else v
-                for k, v in full.items()}
+    # --dtype casts the trained parameters (and their second names); buffers and the frozen
+    # parameter keep their dtype, as in the model's own state dict.
+    trained = {n for n, p in StatefulTransformer().named_parameters(remove_duplicate=False) if p.requires_grad}
+    expected = {k: v.to(torch.bfloat16) if precision == "bf16" and k in trained else v for k, v in full.items()}
+    assert expected["steps"].dtype == torch.long and expected["frozen"].dtype == torch.float32
     for converted in (load_file(tmp_path / "model.safetensors"), torch.load(tmp_path / "model.pt", weights_only=True)):
         assert list(converted) == list(expected)  # the model's own names, in its order
         for name, value in expected.items():
@@ -344,6 +359,7 @@ def _save_repeatedly(rank, world_size, ckpt, keep_last):
 
     model = make_stateful_model(0)
     engine = zeroshard.initialize(model, _config(world_size, 2, checkpoint={"keep_last": keep_last}))
+    engine.save_checkpoint(ckpt, tag="best")  # a tag chosen by a person: never removed
     listings = []
     for step in range(4):
         _train(model, engine, rank, world_size, range(step, step + 1))
@@ -359,5 +375,54 @@ def test_keep_last_removes_older_checkpoints_only_after_the_new_one_is_complete(
     steps = [f"global_step{i}" for i in range(1, 5)]
     for i, listing in enumerate(listings):
         kept = steps[:i + 1] if keep_last == 0 else steps[max(0, i + 1 - keep_last):i + 1]
-        assert listing == sorted(kept + ["latest"]), (i, listing)
+        assert listing == sorted(kept + ["best", "latest"]), (i, listing)
     assert (tmp_path / "latest").read_text() == "global_step4"
+
+
+def _resave_same_tag(rank, world_size, ckpt):
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(1))
+    engine.save_checkpoint(ckpt, tag="same")
+    _train(model, engine, rank, world_size, range(1, 2))
+    engine.save_checkpoint(ckpt, tag="same")
+    second = engine.full_state_dict()
+    fresh_model = make_stateful_model(seed=5)
+    fresh = zeroshard.initialize(fresh_model, _config(world_size, 2))
+    fresh.load_checkpoint(ckpt)
+    loaded = fresh.full_state_dict()
+    return all(torch.equal(loaded[k], second[k]) for k in second), fresh.global_steps, sorted(os.listdir(ckpt))
+
+
+def test_saving_an_existing_tag_again_replaces_it_whole(tmp_path):
+    for same, steps, listing in run_ranks(_resave_same_tag, 2, str(tmp_path)):
+        assert same and steps == 2
+        assert listing == ["latest", "same"]
+
+
+def _unloadable_client_state(rank, world_size, ckpt):
+    import argparse
+
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(1))
+    try:
+        engine.save_checkpoint(ckpt, client_state={"args": argparse.Namespace(lr=1)})
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    published = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
+    engine.save_checkpoint(ckpt, client_state={"fine": 1})  # the engine is still usable
+    return error, published
+
+
+def test_a_client_state_that_would_not_load_back_fails_the_save_on_every_rank(tmp_path):
+    outcomes = run_ranks(_unloadable_client_state, 2, str(tmp_path))
+    (error0, published), (error1, _) = outcomes
+    assert "client_state cannot be saved" in error0 and "Namespace" in error0
+    assert "failed on rank(s) 0" in error1 and "nothing was published" in error1
+    assert [p for p in published if not p.startswith(".")] == []

@@ -62,6 +62,24 @@ def no_decay_groups(model):
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
 
 
+def adamw_reference(steps, batch, lr, weight_decay=0.05, clip=0.0, two_groups=False, device="cpu"):
+    """Single-process torch.optim.AdamW on the whole global batch of every step: what every
+    engine configuration is held to. Returns the losses and the final state dict."""
+    model = make_model().to(device)
+    groups = no_decay_groups(model) if two_groups else model.parameters()
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    losses = []
+    for step in range(steps):
+        loss = model.loss(global_batch(step, batch).to(device))
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
 class StatefulTransformer(TinyTransformer):
     """TinyTransformer with everything a checkpoint must carry besides independent trained
     weights: a head tied to the embedding, a frozen parameter, and a buffer that the training

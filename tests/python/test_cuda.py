@@ -9,7 +9,7 @@ for CPU tensors, NCCL for CUDA tensors), and torn down after the module, so the 
 import pytest
 import torch
 
-from models import global_batch, make_model
+from models import adamw_reference, global_batch, make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,21 +49,6 @@ def _config(stage, gas=1, clip=0.0, bf16=False):
     return config
 
 
-def _reference(gas, clip):
-    model = make_model().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.05)
-    losses = []
-    for step in range(STEPS):
-        loss = model.loss(global_batch(step, MICRO * gas).cuda())
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 CASES = {"plain": dict(gas=1, clip=0.0), "accumulation_and_clipping": dict(gas=2, clip=0.05)}
 
 
@@ -87,7 +72,7 @@ def test_stage_on_cuda_matches_single_process_adamw(group, stage, case):
             total += loss.item()
         losses.append(total / gas)
     state = engine.full_state_dict()
-    ref_losses, ref_state = _reference(gas, clip)
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * gas, LR, clip=clip, device="cuda")
     assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():

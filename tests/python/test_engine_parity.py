@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from models import global_batch, make_model, no_decay_groups
+from models import adamw_reference, global_batch, make_model, no_decay_groups
 from spawn import run_ranks
 
 STEPS = 4
@@ -60,23 +60,6 @@ def _train(rank, world_size, gas, clip, two_groups):
     return results if rank == 0 else None
 
 
-def _reference(world_size, gas, clip, two_groups):
-    model = make_model()
-    groups = no_decay_groups(model) if two_groups else model.parameters()
-    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=0.05)
-    losses = []
-    for step in range(STEPS):
-        tokens = global_batch(step, MICRO * world_size * gas)
-        loss = model.loss(tokens)
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 CASES = {
     "plain": dict(gas=1, clip=0.0, two_groups=False),
     "accumulation": dict(gas=2, clip=0.0, two_groups=False),
@@ -90,7 +73,8 @@ CASES = {
 def test_stages_match_single_process_adamw(case, world_size):
     kwargs = CASES[case]
     results = run_ranks(_train, world_size, kwargs["gas"], kwargs["clip"], kwargs["two_groups"])[0]
-    ref_losses, ref_state = _reference(world_size, **kwargs)
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * kwargs["gas"], LR, clip=kwargs["clip"],
+                                            two_groups=kwargs["two_groups"])
     for stage, (losses, state) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
         assert state.keys() == ref_state.keys()

@@ -24,10 +24,11 @@ LR = 1e-2
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def _config(world_size, stage, precision="fp32", **extras):
+def _config(world_size, stage, precision="fp32", gas=1, **extras):
     config = {
         "train_batch_size": GLOBAL,
-        "train_micro_batch_size_per_gpu": GLOBAL // world_size,
+        "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
         # Small buckets and threshold 0: several flat buffers, every parameter sharded.
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
@@ -41,29 +42,34 @@ def _config(world_size, stage, precision="fp32", **extras):
 
 
 def _train(model, engine, rank, world_size, steps):
-    """Trains on the global batches of `steps`; returns the mean loss over ranks per step."""
+    """Trains on the global batches of `steps` (in gradient_accumulation_steps micro-batches);
+    returns the mean loss over ranks and micro-batches per step."""
     import torch.distributed as dist
 
-    micro = GLOBAL // world_size
+    gas = engine.gradient_accumulation_steps
+    micro = GLOBAL // (world_size * gas)
     losses = []
     for step in steps:
         tokens = global_batch(step, GLOBAL)
-        loss = model.loss(tokens[rank * micro:(rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
+        total = torch.zeros(())
+        for m in range(gas):
+            start = (m * world_size + rank) * micro
+            loss = model.loss(tokens[start:start + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
         model.advance()
-        total = loss.detach().float().clone()
         dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(total.item() / (world_size * gas))
     return losses
 
 
-def _save_and_continue(rank, world_size, stage, precision, ckpt):
+def _save_and_continue(rank, world_size, stage, precision, ckpt, gas=1):
     """The uninterrupted run: trains, saves after SAVED_STEPS, and goes on training."""
     import zeroshard
 
     model = make_stateful_model(0)
-    engine = zeroshard.initialize(model, _config(world_size, stage, precision))
+    engine = zeroshard.initialize(model, _config(world_size, stage, precision, gas))
     losses = _train(model, engine, rank, world_size, range(SAVED_STEPS))
     # As a scheduler would: the checkpoint must carry this lr, not the config's.
     engine.set_lr(LR * 0.5)
@@ -73,12 +79,12 @@ def _save_and_continue(rank, world_size, stage, precision, ckpt):
     return (path, losses, state, engine.global_steps, engine.loss_scale) if rank == 0 else None
 
 
-def _resume(rank, world_size, stage, precision, ckpt):
+def _resume(rank, world_size, stage, precision, ckpt, gas=1):
     """A fresh process with a differently initialized model: loads, then trains on."""
     import zeroshard
 
     model = make_stateful_model(seed=1234)
-    engine = zeroshard.initialize(model, _config(world_size, stage, precision))
+    engine = zeroshard.initialize(model, _config(world_size, stage, precision, gas))
     path, client_state = engine.load_checkpoint(ckpt)
     assert engine.get_lr() == LR * 0.5
     start = client_state["next_step"]
@@ -105,12 +111,12 @@ def _reference():
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("precision,stage", [("fp32", 2), ("bf16", 3), ("fp16", 1)])
-def test_resume_at_the_same_world_size_and_stage_is_bit_exact(tmp_path, precision, stage):
-    path, losses, state, steps, scale = run_ranks(_save_and_continue, 2, stage, precision, str(tmp_path))[0]
+@pytest.mark.parametrize("precision,stage,gas", [("fp32", 2, 1), ("bf16", 3, 1), ("fp16", 1, 1), ("fp32", 2, 2)])
+def test_resume_at_the_same_world_size_and_stage_is_bit_exact(tmp_path, precision, stage, gas):
+    path, losses, state, steps, scale = run_ranks(_save_and_continue, 2, stage, precision, str(tmp_path), gas)[0]
     assert Path(path) == tmp_path / f"global_step{SAVED_STEPS}"
     loaded, client, resumed, resumed_state, resumed_steps, resumed_scale = run_ranks(
-        _resume, 2, stage, precision, str(tmp_path))[0]
+        _resume, 2, stage, precision, str(tmp_path), gas)[0]
     assert loaded == path and client == {"next_step": SAVED_STEPS, "note": "saved"}
     assert resumed == losses[SAVED_STEPS:]
     assert (resumed_steps, resumed_scale) == (steps, scale)

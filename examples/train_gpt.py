@@ -80,7 +80,13 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--save-dir", default=None,
+                        help="save a sharded checkpoint here every --save-every steps and after the last")
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     args = parser.parse_args()
+    if args.resume and not args.save_dir:
+        parser.error("--resume needs --save-dir")
 
     config = zeroshard.Config.from_file(args.config)
     zeroshard.init_distributed(config.zeroshard.collective_timeout_seconds)
@@ -103,8 +109,16 @@ def main():
               f"{data.numel()} characters, global batch {engine.train_batch_size} x {args.seq}", flush=True)
 
     generator = torch.Generator().manual_seed(1234)
+    first_step = 1
+    if args.resume:
+        # Any world size and stage: each rank reads only its own slices of the saved shards.
+        path, client_state = engine.load_checkpoint(args.save_dir)
+        first_step = client_state["step"] + 1
+        generator.set_state(client_state["batches"])  # the same batches an uninterrupted run would see
+        if rank == 0:
+            print(f"resumed from {path} at step {first_step}", flush=True)
     start, tokens, first_loss = time.perf_counter(), 0, None
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         window = torch.zeros((), device=device)
         for _ in range(gas):
             # Every rank draws the same global batch and takes its own rows.
@@ -117,7 +131,9 @@ def main():
             engine.step()
             window += loss.detach() / gas
             tokens += batch[:, 1:].numel() * world
-        if step % args.log_every == 0 or step == 1 or step == args.steps:
+        if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            engine.save_checkpoint(args.save_dir, client_state={"step": step, "batches": generator.get_state()})
+        if step % args.log_every == 0 or step == first_step or step == args.steps:
             dist.all_reduce(window)
             mean = window.item() / world
             first_loss = mean if first_loss is None else first_loss

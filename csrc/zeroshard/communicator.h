@@ -106,6 +106,8 @@ class Communicator {
 
   const CommStats& stats() const { return stats_; }
   void resetStats() { stats_.reset(); }
+  // Puts back counts taken earlier (work that is not to be counted, e.g. checkpoints).
+  void restoreStats(const CommStats& stats) { stats_ = stats; }
 
  private:
   std::string describe(CollectiveKind kind, const at::Tensor& tensor) const;

@@ -59,6 +59,19 @@ std::vector<FileDigest> digestsFromText(const std::string& text) {
   return digests;
 }
 
+// A checkpoint's collectives are not training traffic: commStats() goes on describing steps.
+class UncountedCollectives {
+ public:
+  explicit UncountedCollectives(Communicator& comm) : comm_(comm), saved_(comm.stats()) {}
+  ~UncountedCollectives() { comm_.restoreStats(saved_); }
+  UncountedCollectives(const UncountedCollectives&) = delete;
+  UncountedCollectives& operator=(const UncountedCollectives&) = delete;
+
+ private:
+  Communicator& comm_;
+  CommStats saved_;
+};
+
 std::string shapeText(const std::vector<int64_t>& shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
@@ -197,6 +210,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
               "zeroshard: save_checkpoint() must be called between optimizer steps (after engine.step() ended an "
               "accumulation window); gradients of a partial window are not saved");
+  const UncountedCollectives uncounted(comm_);
   const int64_t boundaries = microSteps_ / accumulation;
   const std::string tag = tagIn.empty() ? defaultTag(boundaries) : tagIn;
   checkTag(tag);
@@ -316,6 +330,7 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
               "zeroshard: load_checkpoint() must be called between optimizer steps, not inside an accumulation "
               "window");
+  const UncountedCollectives uncounted(comm_);
   std::unique_ptr<CheckpointReader> reader;
   // Everything is read (and checked) into CPU tensors before anything changes: an error leaves
   // this engine exactly as it was, on every rank (Note [checkpoint agreement]).

@@ -71,10 +71,14 @@ def _save_and_continue(rank, world_size, stage, precision, ckpt, gas=1):
     model = make_stateful_model(0)
     engine = zeroshard.initialize(model, _config(world_size, stage, precision, gas))
     losses = _train(model, engine, rank, world_size, range(SAVED_STEPS))
+    traffic = engine.comm_stats()
     # As a scheduler would: the checkpoint must carry this lr, not the config's.
     engine.set_lr(LR * 0.5)
     path = engine.save_checkpoint(ckpt, client_state={"next_step": SAVED_STEPS, "note": "saved"})
-    losses += _train(model, engine, rank, world_size, range(SAVED_STEPS, SAVED_STEPS + RESUMED_STEPS))
+    losses += _train(model, engine, rank, world_size, range(SAVED_STEPS, SAVED_STEPS + 1))
+    # The save's own collectives are not counted as the next step's traffic.
+    assert engine.comm_stats() == traffic, (engine.comm_stats(), traffic)
+    losses += _train(model, engine, rank, world_size, range(SAVED_STEPS + 1, SAVED_STEPS + RESUMED_STEPS))
     state = engine.full_state_dict()
     return (path, losses, state, engine.global_steps, engine.loss_scale) if rank == 0 else None
 

@@ -99,15 +99,16 @@ void bindEngine(py::module_& m) {
            },
            "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",
-           [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError) {
+           [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError,
+              bool optimizerStates) {
              LoadedCheckpoint loaded;
              {
                py::gil_scoped_release noGil;
-               loaded = e.loadCheckpoint(dir, tag, rankError);
+               loaded = e.loadCheckpoint(dir, tag, LoadOptions{optimizerStates, rankError});
              }
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
-           "dir"_a, "tag"_a = "", "rank_error"_a = "")
+           "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true)
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
       .def("get_lr", &Engine::learningRate, "group"_a = 0);
 }

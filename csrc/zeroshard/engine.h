@@ -78,6 +78,16 @@ struct ModuleState {
   std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
 };
 
+struct LoadOptions {
+  // false: only the weights (fine-tuning from a checkpoint): AdamW state, step count,
+  // hyper-parameters, loss scale and counters stay as this engine has them, and the param
+  // groups may be split differently from the saving run's. DeepSpeed's load_optimizer_states.
+  bool optimizerStates = true;
+  // Not empty: an error this rank met before the call (e.g. reading its client state); the
+  // load then fails on every rank, naming it, and changes nothing.
+  std::string rankError;
+};
+
 struct LoadedCheckpoint {
   std::string path;         // the checkpoint directory read
   std::string tag;
@@ -148,12 +158,12 @@ class Engine {
   // and stage; each rank reads only the slices it holds, and on any error no state is changed
   // on any rank. `rankError`, when not empty, is an error this rank met before the call (e.g.
   // serializing its client state): the call then fails on every rank, naming it, and changes
-  // nothing.
+  // nothing (for loads it is LoadOptions::rankError).
   void setModuleState(ModuleState state);
   std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "",
                              const std::string& rankError = "");
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
-                                  const std::string& rankError = "");
+                                  const LoadOptions& options = {});
 
   // Sets lr of one param group, or of all with group = -1 (for schedulers).
   void setLearningRate(double lr, int group = -1);
@@ -173,7 +183,7 @@ class Engine {
   ShardRange heldRange(size_t bucket) const;
   at::Tensor savedShard(size_t bucket, size_t kind) const;
   FileDigest writeRankFile(const std::string& dir) const;
-  void checkCheckpointMatches(const CheckpointManifest& manifest) const;
+  void checkCheckpointMatches(const CheckpointManifest& manifest, bool sameGroups) const;
   void agreeAcrossRanks(const std::string& what, const std::string& outcome, const std::function<void()>& work);
   std::vector<std::string> gatherText(const std::string& text);
 

@@ -281,7 +281,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
   return checkpointPath(dir, tag);
 }
 
-void Engine::checkCheckpointMatches(const CheckpointManifest& m) const {
+void Engine::checkCheckpointMatches(const CheckpointManifest& m, bool sameGroups) const {
   const std::string where = "checkpoint '" + m.tag + "'";
   std::unordered_map<std::string, const SavedParam*> saved;
   for (const auto& p : m.params) saved[p.name] = &p;
@@ -294,7 +294,8 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m) const {
                   " (it holds ", m.params.size(), " parameters); the checkpoint is from another model");
       TORCH_CHECK(it->second->shape == p.shape, "zeroshard: parameter '", p.name, "' has shape ", shapeText(p.shape),
                   " here but ", shapeText(it->second->shape), " in ", where);
-      TORCH_CHECK(it->second->group == b.paramGroupOf(i), "zeroshard: parameter '", p.name, "' is in param group ",
+      TORCH_CHECK(!sameGroups || it->second->group == b.paramGroupOf(i), "zeroshard: parameter '", p.name,
+                  "' is in param group ",
                   b.paramGroupOf(i), " here but in group ", it->second->group, " in ", where,
                   "; build the param groups as the saving run did");
       ++matched;
@@ -310,8 +311,9 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m) const {
                   "', which this model does not train; the checkpoint is from another model");
     }
   }
-  TORCH_CHECK(static_cast<int>(m.groups.size()) == optimizer_.numGroups(), "zeroshard: ", where, " has ",
-              m.groups.size(), " param groups, this engine ", optimizer_.numGroups());
+  TORCH_CHECK(!sameGroups || static_cast<int>(m.groups.size()) == optimizer_.numGroups(), "zeroshard: ", where,
+              " has ", m.groups.size(), " param groups, this engine ", optimizer_.numGroups(),
+              " (to take only the weights, load without optimizer states)");
   std::unordered_map<std::string, const SavedTensor*> savedState;
   for (const auto& t : m.moduleState) savedState[t.name] = &t;
   for (const auto& [name, t] : moduleState_.tensors) {
@@ -325,7 +327,7 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m) const {
   }
 }
 
-LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const std::string& rankError) {
+LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
   const int64_t accumulation = batchSizes_.accumulationSteps;
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
               "zeroshard: load_checkpoint() must be called between optimizer steps, not inside an accumulation "
@@ -338,18 +340,18 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
   std::vector<at::Tensor> moduleTensors;
   std::string clientState;
   agreeAcrossRanks("loading from '" + dir + "'", "no rank changed anything", [&] {
-    TORCH_CHECK(rankError.empty(), rankError);
+    TORCH_CHECK(options.rankError.empty(), options.rankError);
     reader = std::make_unique<CheckpointReader>(dir, tag.empty() ? std::nullopt : std::optional<std::string>(tag));
-    checkCheckpointMatches(reader->manifest());
+    checkCheckpointMatches(reader->manifest(), options.optimizerStates);
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const ShardRange held = heldRange(b);
-      for (const char* kind : kStateKinds) {
+      for (size_t kind = 0; kind < (options.optimizerStates ? kNumKinds : 1); ++kind) {
         at::Tensor values = at::zeros({held.numel()}, at::TensorOptions().dtype(at::kFloat));
         for (const auto& p : buckets_[b].layout().params()) {
           const int64_t begin = std::max(p.offset, held.begin);
           const int64_t end = std::min(p.offset + p.numel, held.end);
           if (begin >= end) continue;
-          reader->readParam(*reader->findParam(p.name), kind, begin - p.offset, end - p.offset,
+          reader->readParam(*reader->findParam(p.name), kStateKinds[kind], begin - p.offset, end - p.offset,
                             values.data_ptr<float>() + (begin - held.begin));
         }
         staged[b].push_back(values);
@@ -366,20 +368,22 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
     for (size_t b = 0; b < buckets_.size(); ++b) {
       for (const auto& slot : slots_[b]) {
         const auto state = optimizer_.shardState(slot.group, slot.index);
-        for (size_t kind = 0; kind < kNumKinds; ++kind) {
+        for (size_t kind = 0; kind < staged[b].size(); ++kind) {
           kindOf(state, kind).copy_(staged[b][kind].narrow(0, slot.offset, slot.numel));
         }
       }
     }
     for (size_t i = 0; i < moduleTensors.size(); ++i) moduleState_.tensors[i].second.detach().copy_(moduleTensors[i]);
   }
-  optimizer_.setStepCount(m.globalSteps);
-  // As torch's optimizer.load_state_dict: the saved hyper-parameters (a scheduler's lr
-  // included) win over the config's (docs/checkpoints.md).
-  for (int g = 0; g < optimizer_.numGroups(); ++g) optimizer_.hyper(g) = m.groups[g];
-  if (scaler_ && m.lossScaler) scaler_->restore(*m.lossScaler);
-  skippedSteps_ = m.skippedSteps;
-  microSteps_ = m.boundaries * accumulation;
+  if (options.optimizerStates) {
+    optimizer_.setStepCount(m.globalSteps);
+    // As torch's optimizer.load_state_dict: the saved hyper-parameters (a scheduler's lr
+    // included) win over the config's (docs/checkpoints.md).
+    for (int g = 0; g < optimizer_.numGroups(); ++g) optimizer_.hyper(g) = m.groups[g];
+    if (scaler_ && m.lossScaler) scaler_->restore(*m.lossScaler);
+    skippedSteps_ = m.skippedSteps;
+    microSteps_ = m.boundaries * accumulation;
+  }
   for (auto& b : buckets_) b.pushMasterToParams();
   gatherParams();
   zeroGrads();

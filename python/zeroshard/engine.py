@@ -158,11 +158,13 @@ class Engine:
         self._refresh_module_state()
         return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error)
 
-    def load_checkpoint(self, load_dir, tag=None):
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True):
         """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
 
         Every rank calls it between optimizer steps; each reads only its own slices. Returns
-        (path, client_state), as DeepSpeed does; on any error nothing changes on any rank."""
+        (path, client_state), as DeepSpeed does; on any error nothing changes on any rank.
+        load_optimizer_states=False takes only the weights (and buffers): AdamW state, step
+        count, lr and loss scale stay this engine's, e.g. to fine-tune from a checkpoint."""
         client_state, error = {}, ""
         try:
             # Read first: an unreadable client state must stop the load before it changes anything.
@@ -173,7 +175,8 @@ class Engine:
         except Exception as e:
             error = f"client_state cannot be read: {type(e).__name__}: {e}"
         self._refresh_module_state()
-        path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", error)
+        path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", error,
+                                                       load_optimizer_states)
         return path, client_state
 
     def _refresh_module_state(self):

@@ -436,3 +436,50 @@ def test_a_client_state_that_would_not_load_back_fails_the_save_on_every_rank(tm
     assert "client_state cannot be saved" in error0 and "Namespace" in error0
     assert "failed on rank(s) 0" in error1 and "nothing was published" in error1
     assert [p for p in published if not p.startswith(".")] == []
+
+
+def _groups(model, no_decay_lr):
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trained if p.ndim >= 2]},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0, "lr": no_decay_lr}]
+
+
+def _fine_tune_from(rank, world_size, ckpt):
+    """Saves at stage 2; then another run (stage 3, two param groups, a tenth of the lr) takes
+    only the weights and trains one step."""
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(SAVED_STEPS))
+    engine.save_checkpoint(ckpt)
+    saved = engine.full_state_dict()
+
+    tuned_model = make_stateful_model(seed=7)
+    config = _config(world_size, 3)
+    config["optimizer"]["params"]["lr"] = LR / 10
+    tuned = zeroshard.initialize(tuned_model, config, param_groups=_groups(tuned_model, 2e-3))
+    tuned.load_checkpoint(ckpt, load_optimizer_states=False)
+    loaded = tuned.full_state_dict()
+    steps, lr = tuned.global_steps, tuned.get_lr()
+    losses = _train(tuned_model, tuned, rank, world_size, range(SAVED_STEPS, SAVED_STEPS + 1))
+    final = tuned.full_state_dict()
+    return (saved, loaded, steps, lr, losses, final) if rank == 0 else None
+
+
+def test_load_without_optimizer_states_takes_only_the_weights(tmp_path):
+    saved, loaded, steps, lr, losses, final = run_ranks(_fine_tune_from, 2, str(tmp_path))[0]
+    for name in saved:
+        assert torch.equal(loaded[name], saved[name]), name
+    assert steps == 0 and lr == LR / 10
+    # From here it is a fresh AdamW on the loaded weights.
+    model = StatefulTransformer()
+    model.load_state_dict(saved)
+    opt = torch.optim.AdamW(_groups(model, 2e-3), lr=LR / 10, weight_decay=0.05)
+    loss = model.loss(global_batch(SAVED_STEPS, GLOBAL))
+    loss.backward()
+    opt.step()
+    model.advance()
+    assert losses == pytest.approx([loss.item()], rel=1e-5)
+    for name, ref in model.state_dict().items():
+        torch.testing.assert_close(final[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")

@@ -1,6 +1,7 @@
 #include "zeroshard/checkpoint_manifest.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <nlohmann/json.hpp>
 
@@ -26,6 +27,15 @@ Json fileJson(const FileDigest& f) {
   Json crcs = Json::array();
   for (uint32_t c : f.chunkCrcs) crcs.push_back(crc32Hex(c));
   return {{"name", f.name}, {"bytes", f.bytes}, {"chunk_bytes", f.chunkBytes}, {"chunk_crc32", crcs}};
+}
+
+FileDigest fileFromJson(const Json& f) {
+  FileDigest d;
+  d.name = f.at("name").get<std::string>();
+  d.bytes = f.at("bytes").get<int64_t>();
+  d.chunkBytes = f.at("chunk_bytes").get<int64_t>();
+  for (const auto& c : f.at("chunk_crc32")) d.chunkCrcs.push_back(fromHex(c.get<std::string>()));
+  return d;
 }
 
 // The body, so that its CRC can be computed over exactly the text that is written.
@@ -114,23 +124,26 @@ CheckpointManifest fromBody(const Json& j) {
                                         dtypeFromName(t.at("dtype").get<std::string>())});
   }
   m.stateDictKeys = j.at("state_dict_keys").get<std::vector<std::string>>();
-  for (const auto& f : j.at("files")) {
-    FileDigest d;
-    d.name = f.at("name").get<std::string>();
-    d.bytes = f.at("bytes").get<int64_t>();
-    d.chunkBytes = f.at("chunk_bytes").get<int64_t>();
-    for (const auto& c : f.at("chunk_crc32")) d.chunkCrcs.push_back(fromHex(c.get<std::string>()));
-    m.files.push_back(std::move(d));
-  }
+  for (const auto& f : j.at("files")) m.files.push_back(fileFromJson(f));
   return m;
 }
 
 } // namespace
 
 int64_t SavedParam::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  return c10::multiply_integers(shape);
+}
+
+std::string digestsToJson(const std::vector<FileDigest>& digests) {
+  Json j = Json::array();
+  for (const auto& d : digests) j.push_back(fileJson(d));
+  return j.dump();
+}
+
+std::vector<FileDigest> digestsFromJson(const std::string& text) {
+  std::vector<FileDigest> digests;
+  for (const auto& f : Json::parse(text)) digests.push_back(fileFromJson(f));
+  return digests;
 }
 
 std::string CheckpointManifest::rankFileName(int rank) {

@@ -91,4 +91,8 @@ struct CheckpointManifest {
 };
 
 
+// File digests as the manifest writes them (the ranks send theirs to rank 0 this way).
+std::string digestsToJson(const std::vector<FileDigest>& digests);
+std::vector<FileDigest> digestsFromJson(const std::string& text);
+
 } // namespace zeroshard

@@ -247,14 +247,10 @@ void Engine::clipGradients() {
   // Each rank holds a disjoint shard of the reduced gradients.
   if (stage() > 0) comm_.allReduce(squares).wait();
   lastGradNorm_ = squares.sqrt();
-  if (lastGradNorm_.device().is_cpu()) {
-    const double coef = maxNorm / (lastGradNorm_.item<double>() + 1e-6);
-    if (coef < 1.0) optimizer_.scaleGrads(coef);
-  } else {
-    // On a GPU the decision stays on the device: scaling by min(1, coef) costs a pass over the
-    // gradient shards but no host synchronisation in the step.
-    optimizer_.scaleGrads(lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0));
-  }
+  const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
+  // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
+  // is needed; on a GPU it would be a host synchronisation, so a factor of 1 is applied there.
+  if (!coef.device().is_cpu() || coef.item<double>() < 1.0) optimizer_.scaleGrads(coef);
 }
 
 void Engine::gatherParams() {

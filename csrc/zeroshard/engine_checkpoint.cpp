@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -18,7 +19,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -31,32 +31,6 @@ constexpr size_t kNumKinds = std::size(kStateKinds);
 
 at::Tensor kindOf(const ShardedAdamW::ShardState& state, size_t kind) {
   return kind == 0 ? state.master : kind == 1 ? state.expAvg : state.expAvgSq;
-}
-
-// One line per file: "name bytes chunk_bytes crc crc ...", for the exchange to rank 0.
-std::string digestsText(const std::vector<FileDigest>& digests) {
-  std::ostringstream out;
-  for (const auto& d : digests) {
-    out << d.name << ' ' << d.bytes << ' ' << d.chunkBytes;
-    for (uint32_t c : d.chunkCrcs) out << ' ' << c;
-    out << '\n';
-  }
-  return out.str();
-}
-
-std::vector<FileDigest> digestsFromText(const std::string& text) {
-  std::vector<FileDigest> digests;
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    std::istringstream fields(line);
-    FileDigest d;
-    fields >> d.name >> d.bytes >> d.chunkBytes;
-    uint32_t crc;
-    while (fields >> crc) d.chunkCrcs.push_back(crc);
-    digests.push_back(std::move(d));
-  }
-  return digests;
 }
 
 // A checkpoint's collectives are not training traffic: commStats() goes on describing steps.
@@ -72,11 +46,6 @@ class UncountedCollectives {
   CommStats saved_;
 };
 
-std::string shapeText(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
 
 } // namespace
 
@@ -237,7 +206,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
       digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
     }
   });
-  const auto texts = gatherText(digestsText(digests));
+  const auto texts = gatherText(digestsToJson(digests));
   agreeAcrossRanks(what, outcome, [&] {
     if (rank() != 0) return;
     CheckpointManifest m;
@@ -263,7 +232,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
     for (const auto& [name, t] : moduleState_.tensors) m.moduleState.push_back({name, t.sizes().vec(), t.scalar_type()});
     m.stateDictKeys = moduleState_.keys;
     for (const auto& text : texts) {
-      for (auto& d : digestsFromText(text)) m.files.push_back(std::move(d));
+      for (auto& d : digestsFromJson(text)) m.files.push_back(std::move(d));
     }
     m.createdUnixNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
@@ -292,8 +261,8 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m, bool sameGroups
       auto it = saved.find(p.name);
       TORCH_CHECK(it != saved.end(), "zeroshard: parameter '", p.name, "' of this model is not in ", where,
                   " (it holds ", m.params.size(), " parameters); the checkpoint is from another model");
-      TORCH_CHECK(it->second->shape == p.shape, "zeroshard: parameter '", p.name, "' has shape ", shapeText(p.shape),
-                  " here but ", shapeText(it->second->shape), " in ", where);
+      TORCH_CHECK(it->second->shape == p.shape, "zeroshard: parameter '", p.name, "' has shape ",
+                  c10::IntArrayRef(p.shape), " here but ", c10::IntArrayRef(it->second->shape), " in ", where);
       TORCH_CHECK(!sameGroups || it->second->group == b.paramGroupOf(i), "zeroshard: parameter '", p.name,
                   "' is in param group ",
                   b.paramGroupOf(i), " here but in group ", it->second->group, " in ", where,
@@ -322,8 +291,8 @@ void Engine::checkCheckpointMatches(const CheckpointManifest& m, bool sameGroups
                 where);
     TORCH_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == t.scalar_type(),
                 "zeroshard: module state '", name, "' is ", dtypeName(t.scalar_type()), " ",
-                shapeText(t.sizes().vec()), " here but ", dtypeName(it->second->dtype), " ",
-                shapeText(it->second->shape), " in ", where);
+                t.sizes(), " here but ", dtypeName(it->second->dtype), " ",
+                c10::IntArrayRef(it->second->shape), " in ", where);
   }
 }
 

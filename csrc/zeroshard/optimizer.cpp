@@ -80,12 +80,6 @@ at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) const {
   return sum;
 }
 
-void ShardedAdamW::scaleGrads(double factor) {
-  for (auto& g : groups_) {
-    for (auto& grad : g.prepared) grad.mul_(factor);
-  }
-}
-
 void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
   for (auto& g : groups_) {
     for (auto& grad : g.prepared) grad.mul_(factor);

@@ -39,8 +39,7 @@ class ShardedAdamW {
   // (computed there, no host synchronisation).
   at::Tensor localGradSquareSum(const at::Device& device) const;
   // Prepared grads *= factor (clipping).
-  void scaleGrads(double factor);
-  // The same with a 0-dim tensor on the gradients' device (no host synchronisation).
+  // `factor` is a 0-dim tensor on the gradients' device (no host synchronisation).
   void scaleGrads(const at::Tensor& factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
   void step();

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <nlohmann/json.hpp>
 
@@ -47,9 +48,7 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 } // namespace
 
 int64_t TensorEntry::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  return c10::multiply_integers(shape);
 }
 
 std::string safetensorsDtype(at::ScalarType dtype) { return namesOf(dtype).safetensors; }

@@ -77,6 +77,8 @@ TEST_CASE("publishing moves latest last; pruning keeps the newest default tags a
   TempDir dir;
   const std::string root = dir.path().string();
   CHECK(contains(errorText([&] { readLatestTag(root); }), "no checkpoint in"));
+  std::ofstream(dir / "latest") << "\n";
+  CHECK(contains(errorText([&] { readLatestTag(root); }), "is empty; pass the tag to load"));
   stageAndPublish(root, "best", 1);
   stageAndPublish(root, "global_step9", 2);
   stageAndPublish(root, "global_step10", 3);  // newer by step, though "9" sorts after "10" as text

@@ -1,67 +1,27 @@
 """Checkpoints: a run saved at one world size and stage and loaded at another continues as if
 it had never stopped; a save that dies leaves the previous checkpoint as it was; damaged files
-are errors that name them; the converted state dict loads into the plain model.
+are errors that name them. (Conversion to one file: test_convert.py.)
 
 Each case runs real processes (Gloo) over one checkpoint directory under pytest's tmp_path.
 """
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from checkpoint_runs import GLOBAL, LR
+from checkpoint_runs import config as _config
+from checkpoint_runs import damage as _damage
+from checkpoint_runs import train as _train
 from models import StatefulTransformer, global_batch, make_stateful_model
 from spawn import run_ranks
 
-GLOBAL = 8          # sequences per optimizer step, at every world size
 SAVED_STEPS = 3     # steps before the checkpoint
 RESUMED_STEPS = 3   # steps after it
-LR = 1e-2
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _config(world_size, stage, precision="fp32", gas=1, **extras):
-    config = {
-        "train_batch_size": GLOBAL,
-        "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        # Small buckets and threshold 0: several flat buffers, every parameter sharded.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30, **extras},
-    }
-    if precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}
-    if precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
-
-
-def _train(model, engine, rank, world_size, steps):
-    """Trains on the global batches of `steps` (in gradient_accumulation_steps micro-batches);
-    returns the mean loss over ranks and micro-batches per step."""
-    import torch.distributed as dist
-
-    gas = engine.gradient_accumulation_steps
-    micro = GLOBAL // (world_size * gas)
-    losses = []
-    for step in steps:
-        tokens = global_batch(step, GLOBAL)
-        total = torch.zeros(())
-        for m in range(gas):
-            start = (m * world_size + rank) * micro
-            loss = model.loss(tokens[start:start + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        model.advance()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world_size * gas))
-    return losses
 
 
 def _save_and_continue(rank, world_size, stage, precision, ckpt, gas=1):
@@ -243,17 +203,6 @@ def _damaged_loads(rank, world_size, ckpt, damages):
     return errors, unchanged
 
 
-def _damage(path, how):
-    data = bytearray(path.read_bytes())
-    if how == "flip":
-        data[len(data) * 3 // 4] ^= 0x10
-        path.write_bytes(bytes(data))
-    elif how == "truncate":
-        path.write_bytes(bytes(data[:len(data) - 100]))
-    elif how == "remove":
-        path.unlink()
-
-
 def test_a_flipped_byte_a_truncated_file_and_a_missing_file_each_name_the_file(tmp_path):
     damages = {
         "flipped": ("rank_00000.safetensors", "flip"),
@@ -293,7 +242,10 @@ def _load_into_other_model(rank, world_size, ckpt, kind):
     _train(model, engine, rank, world_size, range(1))
     engine.save_checkpoint(ckpt)
     torch.manual_seed(0)
-    other = StatefulTransformer(dim=32) if kind == "shape" else TinyTransformer()
+    other = StatefulTransformer(dim=32) if kind == "shape" else TinyTransformer() if kind == "names" else \
+        StatefulTransformer()
+    if kind == "buffer_dtype":
+        other.temperature = other.temperature.double()
     other_engine = zeroshard.initialize(other, _config(world_size, 2))
     try:
         other_engine.load_checkpoint(ckpt)
@@ -309,59 +261,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path)
                      r"in checkpoint 'global_step1'", shape_error), shape_error
     names_error = run_ranks(_load_into_other_model, 1, str(tmp_path / "b"), "names")[0]
     assert "'head.weight'" in names_error and "another model" in names_error
-
-
-def _save_for_conversion(rank, world_size, ckpt, precision):
-    import zeroshard
-
-    model = make_stateful_model(0)
-    engine = zeroshard.initialize(model, _config(world_size, 3, precision))
-    _train(model, engine, rank, world_size, range(2))
-    engine.save_checkpoint(ckpt)
-    state = engine.full_state_dict()  # collective: every rank gathers
-    return state if rank == 0 else None
-
-
-def _convert(*args):
-    # A fresh interpreter with no process group and no GPU, as on a laptop.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_model(tmp_path, precision):
-    from safetensors.torch import load_file
-
-    full = run_ranks(_save_for_conversion, 2, str(tmp_path / "ckpt"), precision)[0]
-    dtype_flag = ["--dtype", "bf16"] if precision == "bf16" else []
-    _convert(tmp_path / "ckpt", tmp_path / "model.safetensors", *dtype_flag)
-    _convert(tmp_path / "ckpt", tmp_path / "model.pt", *dtype_flag)
-    # --dtype casts the trained parameters (and their second names); buffers and the frozen
-    # parameter keep their dtype, as in the model's own state dict.
-    trained = {n for n, p in StatefulTransformer().named_parameters(remove_duplicate=False) if p.requires_grad}
-    expected = {k: v.to(torch.bfloat16) if precision == "bf16" and k in trained else v for k, v in full.items()}
-    assert expected["steps"].dtype == torch.long and expected["frozen"].dtype == torch.float32
-    for converted in (load_file(tmp_path / "model.safetensors"), torch.load(tmp_path / "model.pt", weights_only=True)):
-        assert list(converted) == list(expected)  # the model's own names, in its order
-        for name, value in expected.items():
-            assert converted[name].dtype == value.dtype and torch.equal(converted[name], value), name
-        plain = StatefulTransformer()
-        plain.load_state_dict(converted, strict=True)
-
-
-def test_convert_reports_a_damaged_checkpoint_and_writes_nothing(tmp_path):
-    run_ranks(_save_for_conversion, 1, str(tmp_path / "ckpt"), "fp32")
-    _damage(tmp_path / "ckpt" / "global_step2" / "rank_00000.safetensors", "flip")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", str(tmp_path / "ckpt"),
-                           str(tmp_path / "model.safetensors")], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0
-    assert "checksum mismatch in" in done.stderr and "rank_00000.safetensors" in done.stderr
-    assert not (tmp_path / "model.safetensors").exists()
+    dtype_error = run_ranks(_load_into_other_model, 1, str(tmp_path / "c"), "buffer_dtype")[0]
+    assert "module state 'temperature' is float64 [] here but float32 [] in checkpoint" in dtype_error
 
 
 def _save_repeatedly(rank, world_size, ckpt, keep_last):

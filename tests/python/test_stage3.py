@@ -220,3 +220,17 @@ def test_live_and_prefetch_limits_bound_gathered_memory(limit):
     results = _check_against_reference(world_size, {}, _config(**zero))
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] == 4 * (pad(root) + max(pad(b) for b in blocks))
+
+
+def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched():
+    """As DeepSpeed always fetches the head of its prefetch queue: a prefetch size of one
+    element still gathers the next block while the current one computes (only 0 turns it
+    off), so two blocks are gathered beside the root at the peak."""
+    world_size = 2
+    model = Variant()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    pad = lambda n: -(-n // (ALIGN * world_size)) * ALIGN * world_size  # noqa: E731
+    results = _check_against_reference(world_size, {}, _config(stage3_prefetch_bucket_size=1))
+    for _, _, _, mem, _ in results:
+        assert mem["gathered_peak"] > 4 * (pad(root) + max(pad(b) for b in blocks))

@@ -1,0 +1,60 @@
+"""What the checkpoint tests share: the config they train with, a training loop over the
+global batches, and ways to damage a file."""
+
+import torch
+
+from models import global_batch
+
+GLOBAL = 8  # sequences per optimizer step, at every world size
+LR = 1e-2
+
+
+def config(world_size, stage, precision="fp32", gas=1, **extras):
+    config = {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
+        # Small buckets and threshold 0: several flat buffers, every parameter sharded.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+        "zeroshard": {"collective_timeout_seconds": 30, **extras},
+    }
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def train(model, engine, rank, world_size, steps):
+    """Trains on the global batches of `steps` (in gradient_accumulation_steps micro-batches);
+    returns the mean loss over ranks and micro-batches per step."""
+    import torch.distributed as dist
+
+    gas = engine.gradient_accumulation_steps
+    micro = GLOBAL // (world_size * gas)
+    losses = []
+    for step in steps:
+        tokens = global_batch(step, GLOBAL)
+        total = torch.zeros(())
+        for m in range(gas):
+            start = (m * world_size + rank) * micro
+            loss = model.loss(tokens[start:start + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        model.advance()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world_size * gas))
+    return losses
+
+
+def damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) * 3 // 4] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[:len(data) - 100]))
+    elif how == "remove":
+        path.unlink()

@@ -70,15 +70,17 @@ EOF
 # torch depends on. zeroshard compiles no CUDA code; it only includes c10/cuda and NCCL headers.
 write_no_nvcc_shim() {
   "$PYTHON" - "$1" <<'EOF'
-import glob, os, re, sys, sysconfig
-import torch.utils
-prefix = torch.utils.cmake_prefix_path
+import glob, importlib.util, os, re, sys, sysconfig
+# Located, not imported (as CMakeLists.txt does): torch's CMake package and the site-packages
+# that hold it, where its nvidia-* wheels are.
+torch_dir = importlib.util.find_spec("torch").submodule_search_locations[0]
+prefix = os.path.join(torch_dir, "share", "cmake")
 names = {"torch::cudart", "torch::nvtoolsext"}
 for f in glob.glob(os.path.join(prefix, "Caffe2", "Caffe2Targets*.cmake")) + \
          glob.glob(os.path.join(prefix, "Torch", "TorchConfig.cmake")):
     # Only what cuda.cmake would define; the other public/*.cmake (mkl, ...) still run.
     names |= set(re.findall(r"\b(?:(?:torch|caffe2)::(?:cu|nv|magma)\w*|CUDA::\w+)", open(f).read()))
-roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+roots = {os.path.dirname(torch_dir)} | {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
 incs, cudart = [], None
 for root in roots:
     for inc in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include")) +
@@ -107,9 +109,10 @@ EOF
 # provides when NCCL comes from the nvidia-nccl wheel: find it for the compiler.
 nccl_include_dir() {
   "$PYTHON" - <<'EOF'
-import glob, os, sysconfig
+import glob, importlib.util, os, sysconfig
 dirs = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/include"]
-for root in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}:
+torch_site = os.path.dirname(importlib.util.find_spec("torch").submodule_search_locations[0])
+for root in [torch_site] + sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")} - {torch_site}):
     dirs += sorted(glob.glob(os.path.join(root, "nvidia", "*", "include")))
 print(next((d for d in dirs if os.path.exists(os.path.join(d, "nccl.h"))), ""))
 EOF
@@ -122,8 +125,9 @@ phase_configure() {
   echo "nccl.h: ${nccl:-not found (a CUDA build of zeroshard will not compile process_group.cpp)}"
   if [ -n "$nccl" ] && [ "$nccl" != /usr/include ]; then args+=("-DCMAKE_CXX_FLAGS=-isystem $nccl"); fi
   if cmake "${args[@]}"; then return 0; fi
-  if command -v nvcc >/dev/null; then return 1; fi
-  echo "gpu_check: configure failed and there is no nvcc; retrying with the no-toolkit shim"
+  # torch's cuda.cmake wants a whole toolkit (nvcc, libcudart, libnvrtc, ...); an image with nvcc
+  # but a partial toolkit fails it as surely as one without (seen with a pip-installed nvcc).
+  echo "gpu_check: configure failed (CUDA toolkit: $(command -v nvcc || echo 'no nvcc')); retrying with the no-toolkit shim"
   rm -rf "$BUILD_DIR"; mkdir -p "$BUILD_DIR"
   write_no_nvcc_shim "$BUILD_DIR/no_nvcc_shim.cmake"
   cmake "${args[@]}" "-DCMAKE_PROJECT_INCLUDE=$BUILD_DIR/no_nvcc_shim.cmake"

@@ -103,3 +103,33 @@ def test_bf16_stage3_on_cuda_trains(group):
     assert stats["optimizer"] > 0 and stats["params"] > 0
     with engine.gathered_parameters():
         assert all(p.dtype == torch.bfloat16 and p.is_cuda and p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_makes_no_host_synchronisation(group, stage, bf16):
+    """After the first step (NCCL communicator set-up, stage 3's order check), forward, backward
+    and step with gradient clipping only queue GPU work: collectives are waited on by the
+    compute stream, staging buffers are retired without blocking, and the clipping factor is
+    applied without reading the norm on the host. torch's sync debug mode turns any synchronising
+    call (a .item(), a blocking copy to or from the host, a stream synchronize) into an error."""
+    import zeroshard
+
+    model = make_model().cuda()
+    engine = zeroshard.initialize(model, _config(stage, gas=2, clip=0.05, bf16=bf16), process_group=group)
+    batches = [global_batch(step, 2 * MICRO).cuda() for step in range(3)]  # copied before the check
+
+    def train_step(tokens):
+        for micro in range(2):
+            engine.backward(model.loss(tokens[micro * MICRO:(micro + 1) * MICRO]))
+            engine.step()
+
+    train_step(batches[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for tokens in batches[1:]:
+            train_step(tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.global_steps == 3

@@ -145,7 +145,7 @@ class ZeroshardStep:
     def __init__(self, model, stage, s):
         import zeroshard
 
-        zero = {"stage": stage, "reduce_bucket_size": s["bucket_elems"]}
+        zero = {"stage": stage, "reduce_bucket_size": s["bucket_elems"], "overlap_comm": True}
         if stage == 3:
             # DeepSpeed's default prefetch size (5e7 elements) is below one Block (5.04e7 + padding
             # at the full size), which would turn prefetch off; two Blocks fit.

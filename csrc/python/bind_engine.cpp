@@ -80,7 +80,7 @@ void bindEngine(py::module_& m) {
              const auto s = e.memoryStats();
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
                              "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
-                             "gathered_peak"_a = s.gatheredPeakBytes);
+                             "gathered_peak"_a = s.gatheredPeakBytes, "staging_peak"_a = s.stagingPeakBytes);
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)

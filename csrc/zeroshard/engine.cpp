@@ -84,6 +84,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   // ranks' scaled gradients stays inside fp16's range.
   reducer_->setPreDivide(computeDtype_ == at::kHalf);
   reducer_->setReduceInFloat(config_.extras.reduceDtype == "fp32");
+  reducer_->setOverlap(config_.zero.overlapCommResolved());
   if (units_) reducer_->setOnLaunched([this](size_t unit) { units_->afterGradReduce(unit); });
   comm_.resetStats();
 }
@@ -234,6 +235,8 @@ void Engine::finishStep() {
   zeroGrads();
   lastStepStats_ = comm_.stats();
   comm_.resetStats();
+  lastPeakStagingBytes_ = reducer_->peakStagingBytes();
+  reducer_->resetPeak();
   if (units_) {
     lastPeakGatheredBytes_ = units_->peakGatheredBytes();
     units_->resetPeak();
@@ -289,6 +292,7 @@ MemoryStats Engine::memoryStats() const {
     stats.gradBytes += static_cast<int64_t>(stage() < 2 ? b.flatGrads().nbytes() : b.gradShard().nbytes());
   }
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
+  stats.stagingPeakBytes = lastPeakStagingBytes_;
   // fp32 training: the master weights are the parameters' own storage, not a copy.
   stats.optimizerBytes = optimizer_.stateBytes();
   for (const auto& b : buckets_) stats.optimizerBytes += b.separateMasterBytes();

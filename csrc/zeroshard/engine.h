@@ -65,6 +65,10 @@ struct MemoryStats {
   // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
   // step (not part of the total, which counts what is held between steps).
   int64_t gatheredPeakBytes = 0;
+  // Stages 2 and 3: the most bytes of full-size gradient staging buffers (and, with fp32
+  // reduction of 16-bit gradients, their fp32 copies) alive at once during the last step (not
+  // part of the total either). One bucket's worth with overlap_comm off.
+  int64_t stagingPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
 };
 
@@ -213,6 +217,7 @@ class Engine {
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   CommStats lastStepStats_;
   int64_t lastPeakGatheredBytes_ = 0;
+  int64_t lastPeakStagingBytes_ = 0;
 };
 
 } // namespace zeroshard

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+
 namespace zeroshard {
 
 namespace {
@@ -112,6 +114,7 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
       // Uninitialized: every parameter's region is written by its gradient, and launch()
       // zeroes the regions of parameters that got none, and the padding.
       b.staging() = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
+      countStaging(static_cast<int64_t>(b.staging().nbytes()));
     }
     b.copyGradsInto(b.staging(), param);
     b.params()[param].mutable_grad() = at::Tensor();
@@ -128,11 +131,30 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
 void GradReducer::retireCompleted() {
   size_t done = 0;
   while (done < inFlight_.size() && inFlight_[done].handle.completed()) {
-    inFlight_[done].handle.wait();
-    if (inFlight_[done].then) inFlight_[done].then();
+    retire(inFlight_[done]);
     ++done;
   }
   inFlight_.erase(inFlight_.begin(), inFlight_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+void GradReducer::retire(InFlight& f) {
+  f.handle.wait();
+  if (f.then) f.then();
+  f.then = nullptr;  // drops the buffers the completion captured
+  countStaging(-f.stagingBytes);
+  f.stagingBytes = 0;
+}
+
+// In launch order; each completion releases its staging buffer.
+void GradReducer::retireAll() {
+  auto inFlight = std::move(inFlight_);
+  inFlight_.clear();
+  for (auto& f : inFlight) retire(f);
+}
+
+void GradReducer::countStaging(int64_t bytes) {
+  liveStagingBytes_ += bytes;
+  peakStagingBytes_ = std::max(peakStagingBytes_, liveStagingBytes_);
 }
 
 void GradReducer::launch(size_t bucket) {
@@ -148,11 +170,13 @@ void GradReducer::launch(size_t bucket) {
   if (stage_ < 2 && widen) {
     // Sum in fp32, then round the result into the 16-bit gradients once.
     auto wide = b.flatGrads().to(at::kFloat);
+    const auto wideBytes = static_cast<int64_t>(wide.nbytes());
+    countStaging(wideBytes);
     const auto range = b.layout().shardRange(comm_.rank());
     auto target = stage_ == 0 ? b.flatGrads() : b.flatGradShard();
     auto result = stage_ == 0 ? wide : wide.narrow(0, range.begin, range.numel());
     inFlight_.push_back({stage_ == 0 ? comm_.allReduce(wide, mean) : comm_.reduceScatter(wide, result, mean),
-                         [target, result]() mutable { target.copy_(result); }});
+                         [target, result]() mutable { target.copy_(result); }, wideBytes});
   } else if (stage_ == 0) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
   } else if (stage_ == 1) {
@@ -160,6 +184,7 @@ void GradReducer::launch(size_t bucket) {
   } else {
     if (!b.staging().defined()) {
       b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
+      countStaging(static_cast<int64_t>(b.staging().nbytes()));
     } else {
       const auto& layout = b.layout();
       for (size_t i = 0; i < b.size(); ++i) {
@@ -169,7 +194,13 @@ void GradReducer::launch(size_t bucket) {
     }
     at::Tensor staging = std::move(b.staging());
     b.staging() = at::Tensor();
-    if (widen) staging = staging.to(at::kFloat);  // the fp32 shard then takes the sum directly
+    if (widen) {  // the fp32 shard then takes the sum directly
+      const auto narrowBytes = static_cast<int64_t>(staging.nbytes());
+      staging = staging.to(at::kFloat);
+      countStaging(static_cast<int64_t>(staging.nbytes()));
+      countStaging(-narrowBytes);
+    }
+    const auto stagingBytes = static_cast<int64_t>(staging.nbytes());
     if (preDivide_) {
       staging.mul_(mean);
       mean = 1.0;
@@ -177,15 +208,16 @@ void GradReducer::launch(size_t bucket) {
     const at::Tensor& shard = b.gradShard();
     if (!shardHasData_[bucket] && staging.scalar_type() == shard.scalar_type()) {
       // First micro-batch of the window: reduce straight into the shard.
-      inFlight_.push_back({comm_.reduceScatter(staging, shard, mean), [staging]() {}});
+      inFlight_.push_back({comm_.reduceScatter(staging, shard, mean), [staging]() {}, stagingBytes});
     } else {
       auto partial = at::empty({b.layout().shardNumel()}, staging.options());
       inFlight_.push_back({comm_.reduceScatter(staging, partial, mean),
-                           [staging, partial, shard]() mutable { shard.add_(partial); }});
+                           [staging, partial, shard]() mutable { shard.add_(partial); }, stagingBytes});
     }
     shardHasData_[bucket] = 1;
     if (onLaunched_) onLaunched_(bucket);
   }
+  if (!overlap_) retireAll();
 }
 
 void GradReducer::finishBackward() {
@@ -196,15 +228,8 @@ void GradReducer::finishBackward() {
       if (!launched_[b]) launch(b);
     }
   }
-  // Waiting in launch order; each completion releases its staging buffer.
-  auto inFlight = std::move(inFlight_);
-  inFlight_.clear();
   inBackward_ = false;
-  for (auto& f : inFlight) {
-    f.handle.wait();
-    if (f.then) f.then();
-    f.then = nullptr;
-  }
+  retireAll();
 }
 
 void GradReducer::abortBackward() {
@@ -217,6 +242,7 @@ void GradReducer::abortBackward() {
     } catch (const std::exception&) {
       // The autograd error is the one to report.
     }
+    countStaging(-f.stagingBytes);
   }
 }
 

@@ -10,6 +10,11 @@
 //            buffer is released.
 // finishBackward() starts the buckets some of whose parameters got no gradient (in bucket
 // order, identical on every rank) and waits for everything in flight.
+//
+// With overlap off (DeepSpeed's zero_optimization.overlap_comm = false, its default below stage
+// 3) each reduction is waited for as soon as it is launched: on a CPU the hook blocks until it
+// is done; on a GPU the compute stream waits for it, so the rest of backward runs after it. At
+// stages 2 and 3 that keeps at most one staging buffer alive, at the cost of the overlap.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,15 +53,28 @@ class GradReducer {
   void setPreDivide(bool preDivide) { preDivide_ = preDivide; }
   // Reduce 16-bit gradients in float32 (zeroshard.reduce_dtype = "fp32").
   void setReduceInFloat(bool reduceInFloat) { reduceInFloat_ = reduceInFloat; }
+  // Overlap reductions with the rest of backward (true), or wait for each as it is launched.
+  void setOverlap(bool overlap) { overlap_ = overlap; }
+
+  // Bytes of full-size buffers that exist only for a reduction (stages 2 and 3: the staging
+  // buffers; stages 0 and 1 with fp32 reduction of 16-bit gradients: the fp32 copy), the most
+  // alive at once since resetPeak().
+  int64_t peakStagingBytes() const { return peakStagingBytes_; }
+  void resetPeak() { peakStagingBytes_ = liveStagingBytes_; }
 
  private:
   struct InFlight {
     CommHandle handle;
     std::function<void()> then;
+    int64_t stagingBytes = 0;  // released when the entry is retired
   };
   bool reducesThisBackward() const;
   void launch(size_t bucket);
+  // Waits for one reduction, runs its completion and releases what it held.
+  void retire(InFlight& f);
   void retireCompleted();
+  void retireAll();
+  void countStaging(int64_t bytes);
   void registerHooks();
   void removeHooks();
 
@@ -73,6 +91,9 @@ class GradReducer {
   std::function<void(size_t)> onLaunched_;
   bool preDivide_ = false;
   bool reduceInFloat_ = false;
+  bool overlap_ = true;
+  int64_t liveStagingBytes_ = 0;
+  int64_t peakStagingBytes_ = 0;
   struct HookHandle;
   std::vector<std::unique_ptr<HookHandle>> hooks_;
 };

@@ -134,7 +134,10 @@ class Engine:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def memory_stats(self):
-        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        """Bytes of parameters, gradients and optimizer state this rank holds between steps
+        (params, grads, optimizer, total), and two peaks of the last step that are not in the
+        total: gathered_peak (stage 3's whole unit parameters) and staging_peak (gradient
+        staging buffers)."""
         return self._core.memory_stats()
 
     def comm_stats(self):

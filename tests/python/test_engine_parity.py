@@ -26,9 +26,10 @@ def _config(stage, gas, clip):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        # A small bucket size makes several buckets, so reduction overlaps backward.
-        # Threshold 0: at stage 3 every parameter is sharded, none kept gathered.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
+        # A small bucket size makes several buckets, so reduction overlaps backward
+        # (overlap_comm off: test_grad_reducer.py). Threshold 0: at stage 3 every parameter is
+        # sharded, none kept gathered.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
                               "stage3_param_persistence_threshold": 0},
         "zeroshard": {"collective_timeout_seconds": 30},
     }

@@ -1,0 +1,131 @@
+"""Gradient reduction and zero_optimization.overlap_comm (csrc/zeroshard/grad_reducer.*).
+
+With overlap_comm on, a bucket's reduction runs while backward goes on and its staging buffer
+lives until the reduction is retired; off (DeepSpeed's default below stage 3), each reduction is
+waited for as soon as it starts, so at stages 2 and 3 one bucket's staging buffer is the most
+that exists at once. Either way the numbers are those of single-process AdamW, and the same.
+"""
+
+import pytest
+import torch
+
+from conftest import WORLD_SIZES
+from models import adamw_reference, global_batch, make_model
+from spawn import run_ranks
+
+STEPS = 4
+MICRO = 2
+GAS = 2
+LR = 1e-2
+CLIP = 0.05
+RTOL, ATOL = 1e-4, 1e-5  # fp32 rounding, as in test_engine_parity.py
+DIM = 64  # LinearStack: 64 x 64 weights, a multiple of FlatLayout's alignment x 4 ranks
+LAYERS = 4
+
+
+def _config(stage, overlap, bucket=700, extras=None):
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap,
+                              "stage3_param_persistence_threshold": 0},
+        "zeroshard": {"collective_timeout_seconds": 30, **(extras or {})},
+    }
+
+
+def _train_tiny(rank, world_size, overlap):
+    import torch.distributed as dist
+    import zeroshard
+
+    results = {}
+    for stage in (0, 1, 2, 3):
+        model = make_model()
+        engine = zeroshard.initialize(model, _config(stage, overlap))
+        losses = []
+        for step in range(STEPS):
+            tokens = global_batch(step, MICRO * world_size * GAS)
+            total = torch.zeros(())
+            for micro in range(GAS):
+                start = (micro * world_size + rank) * MICRO
+                loss = model.loss(tokens[start:start + MICRO])
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item() / (world_size * GAS))
+        results[stage] = (losses, engine.full_state_dict())
+    return results if rank == 0 else None
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_overlap_comm_off_trains_like_single_process_adamw(world_size):
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * GAS, LR, clip=CLIP)
+    results = run_ranks(_train_tiny, world_size, False)[0]
+    for stage, (losses, state) in results.items():
+        assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(state[name], ref, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"stage {stage}, {name}: {m}")
+
+
+class LinearStack(torch.nn.Module):
+    """LAYERS bias-free DIM x DIM layers: with reduce_bucket_size DIM * DIM every bucket (and at
+    stage 3 every unit) is one layer, all the same size and none padded."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM, bias=False) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _train_stack(rank, world_size, stage, overlap, bf16):
+    import zeroshard
+
+    model = LinearStack()
+    config = _config(stage, overlap, bucket=DIM * DIM, extras={"reduce_dtype": "fp32"} if bf16 else None)
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine = zeroshard.initialize(model, config)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    peaks = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        for _ in range(GAS):
+            x = torch.randn(MICRO, DIM, generator=gen).to(dtype)
+            engine.backward(model(x).float().square().mean())
+            engine.step()
+        peaks.append(engine.memory_stats()["staging_peak"])
+    calls = engine.comm_stats()["reduce_scatter"]["calls"]
+    return peaks, calls, {k: v.float() for k, v in engine.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlap_comm_bounds_staging_and_changes_no_number(stage):
+    """fp32, 2 ranks: overlap off holds one layer's staging buffer at a time (its 16 KB,
+    exactly), on holds the previous layer's until the next one launches (at least two); the
+    trained weights are bitwise the same."""
+    layer_bytes = DIM * DIM * 4
+    off = run_ranks(_train_stack, 2, stage, False, False)
+    on = run_ranks(_train_stack, 2, stage, True, False)
+    for rank in range(2):
+        peaks_off, calls_off, state_off = off[rank]
+        peaks_on, calls_on, state_on = on[rank]
+        assert calls_off == calls_on == LAYERS * GAS, "one bucket (unit) per layer, reduced every micro-batch"
+        assert peaks_off == [layer_bytes, layer_bytes], peaks_off
+        assert all(p >= 2 * layer_bytes for p in peaks_on), peaks_on
+        for name in state_off:
+            assert torch.equal(state_off[name], state_on[name]), f"rank {rank}, {name}"
+
+
+def test_overlap_comm_off_counts_the_fp32_copy_of_bf16_gradients():
+    """bf16 with reduce_dtype fp32 at stage 2: a bucket's bf16 staging buffer and its fp32 copy
+    exist together while the copy is made (2 + 4 bytes per element), and nothing more."""
+    peaks, _, _ = run_ranks(_train_stack, 2, 2, False, True)[0]
+    assert peaks == [DIM * DIM * 6] * 2, peaks

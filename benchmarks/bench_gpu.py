@@ -65,6 +65,7 @@ def _init_group(device):
 
 
 def _adamw(params):
+    params = list(params)  # twice, if the fused kernel is refused
     try:
         return torch.optim.AdamW(params, fused=True, **HYPER), "fused"
     except (RuntimeError, ValueError):  # a device without a fused kernel

@@ -1,6 +1,7 @@
 #include "zeroshard/bucket.h"
 
 #include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 namespace zeroshard {
@@ -97,6 +98,9 @@ void Bucket::materializeFlatParams() {
   auto* storage = flatParams_.storage().unsafeGetStorageImpl();
   if (storage->nbytes() > 0) return;
   const size_t bytes = static_cast<size_t>(layout_.paddedNumel()) * flatParams_.element_size();
+  // The CUDA caching allocator allocates on the calling thread's current device, which a user's
+  // thread may have left on another GPU than this buffer's.
+  const c10::DeviceGuard onBufferDevice(flatParams_.device());
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
 }

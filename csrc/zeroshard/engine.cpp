@@ -220,15 +220,11 @@ bool Engine::step() {
 }
 
 bool Engine::overflowed() {
-  bool overflow = optimizer_.unscaleAndCheckOverflow(1.0 / scaler_->scale());
-  if (stage() > 0) {
-    // Shards differ between ranks: one rank's inf must stop every rank's step.
-    auto flag = at::full({1}, overflow ? 1.0 : 0.0,
-                         at::TensorOptions().dtype(at::kFloat).device(buckets_.front().flatParams().device()));
-    comm_.allReduce(flag).wait();
-    overflow = flag.item<float>() > 0;
-  }
-  return overflow;
+  auto found = optimizer_.unscaleAndFindNonFinite(1.0 / scaler_->scale(), buckets_.front().flatParams().device());
+  // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
+  // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
+  if (stage() > 0) comm_.allReduce(found).wait();
+  return found.item<float>() > 0;
 }
 
 void Engine::finishStep() {

@@ -101,9 +101,14 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
   TORCH_CHECK(inBackward_, "zeroshard: a gradient for '", b.layout().params()[param].name,
               "' arrived outside engine.backward(); call engine.backward(loss) instead of loss.backward()");
   if (ready_[bucket][param]) {
-    TORCH_CHECK(stage_ < 2, "zeroshard: parameter '", b.layout().params()[param].name,
-                "' received a second gradient in one backward; at stages 2 and 3 each parameter's gradient "
-                "is reduced as soon as it is final");
+    // A leaf's gradient is accumulated once per backward, unless a nested backward (reentrant
+    // activation checkpointing) accumulates it again. Stages 0 and 1 add it to the flat
+    // gradients in place, which is fine until the bucket's reduction starts reading them.
+    TORCH_CHECK(stage_ < 2 && !launched_[bucket], "zeroshard: parameter '", b.layout().params()[param].name,
+                "' received a second gradient in one backward, after ",
+                stage_ < 2 ? "its bucket's reduction had started" : "it was reduced (stages 2 and 3 reduce each "
+                "gradient as soon as it is final)",
+                ". A nested backward does this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
     return;
   }
   ready_[bucket][param] = 1;

@@ -3,6 +3,7 @@
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
@@ -56,16 +57,15 @@ void ShardedAdamW::prepareGrads() {
   }
 }
 
-bool ShardedAdamW::unscaleAndCheckOverflow(double inverseScale) {
-  bool overflow = false;
+at::Tensor ShardedAdamW::unscaleAndFindNonFinite(double inverseScale, const at::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  // One flag for every group: the kernel only ever sets it to 1.
+  auto found = at::zeros({1}, options);
+  const auto inverse = at::full({}, inverseScale, options);
   for (auto& g : groups_) {
-    if (g.prepared.empty()) continue;
-    const auto options = g.prepared.front().options();
-    auto found = at::full({1}, 0.0, options);
-    at::_amp_foreach_non_finite_check_and_unscale_(g.prepared, found, at::full({}, inverseScale, options));
-    overflow = overflow || found.item<float>() != 0.0f;
+    if (!g.prepared.empty()) at::_amp_foreach_non_finite_check_and_unscale_(g.prepared, found, inverse);
   }
-  return overflow;
+  return found;
 }
 
 void ShardedAdamW::discardPrepared() {
@@ -75,7 +75,9 @@ void ShardedAdamW::discardPrepared() {
 at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) const {
   at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (const auto& g : groups_) {
-    for (const auto& grad : g.prepared) sum.add_(grad.to(at::kDouble).square().sum());
+    // Each shard's norm in fp32 (a reduction that makes no copy; casting a shard to double
+    // first would hold 8 bytes per element for the moment), squared and summed in double.
+    for (const auto& grad : g.prepared) sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square());
   }
   return sum;
 }

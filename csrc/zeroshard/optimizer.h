@@ -30,13 +30,14 @@ class ShardedAdamW {
   // then step(). prepareGrads() makes the fp32 gradients the step uses: the registered ones
   // when they are fp32, otherwise fp32 copies that live until step() returns.
   void prepareGrads();
-  // fp16: multiplies the prepared gradients by `inverseScale` and reports whether any holds an
-  // inf or NaN on this rank.
-  bool unscaleAndCheckOverflow(double inverseScale);
+  // fp16: multiplies the prepared gradients by `inverseScale` and returns a 1-element float
+  // tensor on `device`, non-zero when any of them holds an inf or NaN on this rank (no host
+  // synchronisation: the caller reads it once, after combining ranks).
+  at::Tensor unscaleAndFindNonFinite(double inverseScale, const at::Device& device);
   // Drops the prepared gradients of a step that is skipped.
   void discardPrepared();
   // Sum of squares of every prepared gradient on this rank: a 0-dim double tensor on `device`
-  // (computed there, no host synchronisation).
+  // (computed there, no host synchronisation, no copy of any gradient).
   at::Tensor localGradSquareSum(const at::Device& device) const;
   // Prepared grads *= factor (clipping).
   // `factor` is a 0-dim tensor on the gradients' device (no host synchronisation).

@@ -102,6 +102,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
         c10::make_intrusive<c10d::PrefixStore>("nccl", store), env.rank, env.worldSize, ncclOptions);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  } else if (at::hasCUDA()) {
+    TORCH_WARN_ONCE("zeroshard: ", env.localWorldSize, " ranks on this machine but ",
+                    static_cast<int>(c10::cuda::device_count()),
+                    " visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
+                    "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.");
   }
 #else
   if (at::hasCUDA()) {

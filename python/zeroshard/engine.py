@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import socket
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,12 +49,18 @@ def init_distributed(timeout_seconds=600.0):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # A GPU for every rank on this machine, or none used: all ranks must choose alike.
+    # Without torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE: one machine (as initProcessGroupFromEnv).
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
-        torch.cuda.set_device(local_rank)
-        backend = "cpu:gloo,cuda:nccl"
+    # A GPU for every rank on this machine, or none used: all ranks must choose alike.
+    if torch.cuda.is_available():
+        if local_world <= torch.cuda.device_count():
+            torch.cuda.set_device(local_rank)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            warnings.warn(f"zeroshard: {local_world} ranks on this machine but {torch.cuda.device_count()} "
+                          "visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
+                          "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.", stacklevel=2)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
     return dist.group.WORLD
 

@@ -129,3 +129,57 @@ def test_overlap_comm_off_counts_the_fp32_copy_of_bf16_gradients():
     exist together while the copy is made (2 + 4 bytes per element), and nothing more."""
     peaks, _, _ = run_ranks(_train_stack, 2, 2, False, True)[0]
     assert peaks == [DIM * DIM * 6] * 2, peaks
+
+
+class SharedTwice(torch.nn.Module):
+    """One bias-free layer applied twice, each time inside an activation checkpoint."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(DIM, DIM, bias=False)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for _ in range(2):
+            x = checkpoint(lambda t: torch.tanh(self.layer(t)), x, use_reentrant=self.reentrant)
+        return x
+
+
+def _checkpointed(rank, world_size):
+    import zeroshard
+
+    x = torch.randn(MICRO, DIM, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    for stage in (0, 1, 2):
+        # Reentrant: each checkpoint's nested backward accumulates the layer's gradient, the
+        # second time after the bucket (the layer alone) has started its reduction.
+        model = SharedTwice(reentrant=True)
+        config = _config(stage, overlap=True)
+        config["gradient_accumulation_steps"] = 1
+        engine = zeroshard.initialize(model, config)
+        with pytest.raises(RuntimeError, match=r"'layer.weight' received a second gradient .*use_reentrant=False"):
+            engine.backward(model(x).square().mean())
+
+    # Not reentrant: one accumulation per backward, and the step is AdamW's on the whole batch.
+    model, reference = SharedTwice(reentrant=False), SharedTwice(reentrant=False)
+    config = _config(1, overlap=True)
+    config["gradient_accumulation_steps"] = 1
+    engine = zeroshard.initialize(model, config)
+    engine.backward(model(x).square().mean())
+    engine.step()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.05)
+    reference(x).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+    optimizer.step()
+    torch.testing.assert_close(engine.full_state_dict()["layer.weight"], reference.layer.weight.detach(),
+                               rtol=RTOL, atol=ATOL)
+    return True
+
+
+def test_a_second_gradient_after_the_reduction_started_is_an_error():
+    """Stages 0 and 1 reduce the flat gradients in place: a gradient accumulated into a bucket
+    whose reduction is running would race with it and be lost, so it is refused, as at stages
+    2 and 3, with the way out in the message."""
+    assert run_ranks(_checkpointed, 1) == [True]

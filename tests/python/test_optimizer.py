@@ -1,0 +1,51 @@
+"""The sharded AdamW step (csrc/zeroshard/optimizer.*): what a step allocates.
+
+Gradient clipping needs the global norm. Computing it by casting each gradient shard to double
+first would hold 8 more bytes per element for a moment (at stage 0 a whole copy of the
+gradients, in double): on a GPU, half again the 16 bytes per parameter of model state. The
+step is profiled op by op, so the check holds on any machine and depends on no timing.
+"""
+
+import pytest
+import torch
+
+from spawn import run_ranks
+
+DIM = 512
+
+
+def _step_conversions(rank, world_size, stage):
+    import zeroshard
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM, bias=False), torch.nn.Linear(DIM, DIM, bias=False))
+    engine = zeroshard.initialize(model, {
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": DIM * DIM}})
+    x = torch.randn(2, DIM)
+    engine.backward(model(x).square().mean())
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        engine.step()
+    norm = float(engine.last_grad_norm)
+    # Every dtype conversion the step made, by the shape of what it converted.
+    shapes = [e.input_shapes[0] for e in prof.key_averages(group_by_input_shape=True)
+              if e.key == "aten::_to_copy"]
+    return norm, shapes
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_clipping_converts_no_gradient(stage):
+    """fp32 with clipping: the only conversions of a step are of scalars (the norm), none of a
+    gradient; and the norm is the one torch computes."""
+    results = run_ranks(_step_conversions, 2, stage)
+    for norm, shapes in results:
+        assert shapes, "the profiler saw no conversion at all (the norm's own is expected)"
+        assert all(torch.Size(s).numel() <= 1 for s in shapes), shapes
+    torch.manual_seed(0)  # the ranks' model and batch (the same on both: the mean gradient is theirs)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM, bias=False), torch.nn.Linear(DIM, DIM, bias=False))
+    model(torch.randn(2, DIM)).square().mean().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for norm, _ in results:
+        assert norm == pytest.approx(expected, rel=1e-5)

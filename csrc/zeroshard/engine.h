@@ -65,9 +65,10 @@ struct MemoryStats {
   // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
   // step (not part of the total, which counts what is held between steps).
   int64_t gatheredPeakBytes = 0;
-  // Stages 2 and 3: the most bytes of full-size gradient staging buffers (and, with fp32
-  // reduction of 16-bit gradients, their fp32 copies) alive at once during the last step (not
-  // part of the total either). One bucket's worth with overlap_comm off.
+  // The most bytes of full-size buffers that exist only for a gradient reduction alive at once
+  // during the last step (not part of the total either): the staging buffers of stages 2 and
+  // 3, and the fp32 copies of 16-bit gradients reduced in fp32. One bucket's worth with
+  // overlap_comm off.
   int64_t stagingPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
 };

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issue 7), for a machine with one NVIDIA GPU and a CUDA build of torch, CMake,
 # ninja and a compiler, and no network: builds zeroshard (CMake + ninja on every core, into
-# build-gpu/), runs the Catch2 tests and tests/python/test_cuda.py (every stage on CUDA at world
-# size 1 with NCCL), then benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain single-GPU training,
+# build-gpu/), runs the Catch2 tests, tests/python/test_cuda.py (every stage on CUDA at world
+# size 1 with NCCL) and the C++ example on the GPU (ZeRO-3 over NCCL from C++), then benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain single-GPU training,
 # zeroshard stages 0-3, FSDP2), then, in the time left, the CPU pytest cases at world size 1.
 # Prints a short table last.
 # With $OUT set, the whole log goes to $OUT/gpu_check.log, the bench numbers to $OUT/bench_gpu.*.
@@ -151,6 +151,21 @@ phase_pytest_cuda() {
   "$PYTHON" -m pytest tests/python/test_cuda.py -q -rs -p no:cacheprovider
 }
 
+phase_cpp_cuda() {
+  # The C++ training example on the GPU: initProcessGroupFromEnv's NCCL branch, a CUDA module
+  # built in C++, ZeRO-3 in fp32 and bf16. Each run must lower its loss.
+  local config out final first
+  for config in configs/zero3.json configs/bf16.json; do
+    out=$("$BUILD_DIR/examples/cpp/zeroshard_train_example" --device cuda --steps 40 --config "$config" 2>&1) \
+      || { echo "$out"; echo "gpu_check: the C++ example failed with $config"; return 1; }
+    echo "$out" | grep -E "^zeroshard example|^final loss"
+    read -r final first < <(echo "$out" | sed -n 's/^final loss \([0-9.e+-]*\) (first loss \([0-9.e+-]*\))$/\1 \2/p')
+    if [ -z "$first" ] || ! awk -v f="$final" -v s="$first" 'BEGIN { exit !(f < s) }'; then
+      echo "gpu_check: with $config the loss did not fall (final ${final:-?}, first ${first:-?})"; return 1
+    fi
+  done
+}
+
 phase_pytest_cpu() {
   # The CPU suite's cases at world size 1 (parametrized world_size != 1 deselected by a one-hook
   # plugin), GPUs hidden: these are the Gloo paths, built against this machine's torch.
@@ -243,6 +258,7 @@ main() {
     if [ "${SKIP_BUILD:-0}" = 1 ] || { run_phase configure 150 && run_phase build 300; }; then
       run_phase ctest 90 || true
       run_phase pytest-cuda 120 || true
+      run_phase cpp-cuda 60 || true
       run_phase bench $((DEADLINE - SECONDS - 5)) || true
       BENCH_DONE=1
       run_phase pytest-cpu 150 best-effort || true  # in whatever time the benchmark left

@@ -6,8 +6,8 @@
 # libraries) and the headers of the nvidia-* wheels it depends on are downloaded (--no-deps,
 # about 1 GB) and unpacked into a cache laid out as that machine's site-packages; the current
 # Python finds that torch through PYTHONPATH, which is enough since the build locates torch
-# without importing it. Builds the core library and the Python module (the executables would
-# need every CUDA library torch links), then checks that every symbol they take from torch is
+# without importing it. Builds the core library and the Python module, compiles the C++ example
+# (linking executables would need every CUDA library torch links), then checks that every symbol they take from torch is
 # defined by that torch's libraries.
 #
 #   bash scripts/check_cuda_build.sh                  # torch 2.11.0, the GPU image's (CUDA 13.0)
@@ -46,6 +46,8 @@ bash "$ROOT/benchmarks/gpu_check.sh" --phase configure
 grep -q "ZEROSHARD_WITH_NCCL" "$BUILD_DIR/compile_commands.json" \
   || { echo "check_cuda_build: the build did not enable NCCL"; exit 1; }
 cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target zeroshard zeroshard_python
+# The C++ example (its --device cuda path) compiles too; linking it needs every CUDA library.
+cmake --build "$BUILD_DIR" --target examples/cpp/CMakeFiles/zeroshard_train_example.dir/train.cpp.o
 
 # Every symbol the two libraries import from torch must be one that torch's libraries export.
 status=0

@@ -1,8 +1,10 @@
 // A plain C++ training program on zeroshard: no Python anywhere.
 //
 //   torchrun --nproc-per-node 2 --no-python build/examples/cpp/zeroshard_train_example \
-//       --config configs/zero2.json [--steps 50]
+//       --config configs/zero2.json [--steps 50] [--device cuda]
 //
+// --device cuda trains on GPU LOCAL_RANK over NCCL (initProcessGroupFromEnv picks both when every
+// local rank has a GPU); the default is the CPU, over Gloo.
 // Without RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT it runs as a single rank. The model is a
 // small MLP regressing y = sin(x A) for a fixed random matrix A; every rank draws its own
 // micro-batches, the engine averages the gradients and shards the optimizer (and at stage 2 the
@@ -15,6 +17,8 @@
 #include "zeroshard/config.h"
 #include "zeroshard/engine.h"
 #include "zeroshard/process_group.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -38,6 +42,7 @@ constexpr int64_t kOut = 4;
 struct Options {
   std::string config = "configs/zero2.json";
   int steps = 50;
+  std::string device = "cpu";
 };
 
 Options parseArgs(int argc, char** argv) {
@@ -50,11 +55,16 @@ Options parseArgs(int argc, char** argv) {
     };
     if (arg == "--config") {
       options.config = value();
+    } else if (arg == "--device") {
+      options.device = value();
+      if (options.device != "cpu" && options.device != "cuda") {
+        throw std::invalid_argument("--device must be cpu or cuda, got " + options.device);
+      }
     } else if (arg == "--steps") {
       options.steps = std::stoi(value());
       if (options.steps < 1) throw std::invalid_argument("--steps must be >= 1");
     } else {
-      throw std::invalid_argument("unknown argument " + arg + " (use --config PATH, --steps N)");
+      throw std::invalid_argument("unknown argument " + arg + " (use --config PATH, --steps N, --device cpu|cuda)");
     }
   }
   return options;
@@ -88,14 +98,27 @@ void defaultToSingleRank() {
 }
 
 struct RegressionTask {
-  torch::Tensor map;  // [kIn, kOut], the same on every rank
+  torch::Tensor map;  // [kIn, kOut], the same on every rank, on the training device
 
   // A fresh micro-batch, different on every rank and every call.
   std::pair<torch::Tensor, torch::Tensor> sample(int64_t rows) const {
-    auto x = torch::randn({rows, kIn});
+    auto x = torch::randn({rows, kIn}, map.options());
     return {x, torch::sin(x.matmul(map))};
   }
 };
+
+// The GPU initProcessGroupFromEnv made current for this rank, when it chose NCCL.
+torch::Device trainingDevice(const std::string& name, const c10d::ProcessGroup& group) {
+  if (name == "cpu") return torch::kCPU;
+  if (!torch::cuda::is_available()) {
+    throw std::invalid_argument("--device cuda: this build of torch sees no CUDA device");
+  }
+  if (group.getBackendName() != "nccl") {
+    throw std::invalid_argument("--device cuda: the process group uses " + group.getBackendName() +
+                                ", not NCCL (more ranks on this machine than GPUs, or zeroshard built without NCCL)");
+  }
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
+}
 
 } // namespace
 
@@ -106,6 +129,7 @@ int main(int argc, char** argv) {
     auto processGroup = zeroshard::initProcessGroupFromEnv();
     const int rank = processGroup->getRank();
     const int world = processGroup->getSize();
+    const torch::Device device = trainingDevice(options.device, *processGroup);
 
     // The same initial model and task on every rank (the engine also broadcasts rank 0's
     // parameters); different data per rank from here on.
@@ -113,7 +137,8 @@ int main(int argc, char** argv) {
     torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Functional(torch::tanh),
                                 torch::nn::Linear(kHidden, kHidden), torch::nn::Functional(torch::tanh),
                                 torch::nn::Linear(kHidden, kOut));
-    const RegressionTask task{torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))};
+    model->to(device);
+    const RegressionTask task{(torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))).to(device)};
     torch::manual_seed(1 + rank);
 
     // At stage 3 each Linear layer is a unit: gathered just for its forward and its backward.
@@ -135,13 +160,14 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::cout << "zeroshard example: " << world << " rank(s), stage " << engine.stage() << ", global batch "
                 << batch.train << " = " << batch.microPerRank << " per rank x " << batch.accumulationSteps
-                << " accumulation step(s) x " << world << " rank(s), config " << options.config << "\n";
+                << " accumulation step(s) x " << world << " rank(s), config " << options.config << ", device "
+                << device << "\n";
       for (const auto& warning : engine.config().warnings) std::cout << "config warning: " << warning << "\n";
     }
 
     double firstLoss = 0, lastLoss = 0;
     for (int step = 1; step <= options.steps; ++step) {
-      auto stepLoss = torch::zeros({1});
+      auto stepLoss = torch::zeros({1}, task.map.options());
       for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
         auto [x, y] = task.sample(batch.microPerRank);
         // With bf16/fp16 configs the parameters are 16-bit: inputs go in at that dtype, and the

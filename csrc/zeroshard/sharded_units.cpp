@@ -3,7 +3,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@ ShardedUnits::ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> p
               " policies");
   states_.assign(units_.size(), UnitState::kSharded);
   pending_.resize(units_.size());
+  allocStreams_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = units_[u];
     unit.detachShard();
@@ -42,6 +45,8 @@ void ShardedUnits::startUnshard(size_t u) {
   if (states_[u] != UnitState::kSharded) return;
   auto& unit = units_[u];
   unit.materializeFlatParams();
+  const auto device = unit.flatParams().device();
+  if (!device.is_cpu()) allocStreams_[u] = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
   pending_[u] = comm_.allGather(unit.paramShard(), unit.flatParams());
   states_[u] = UnitState::kGathering;
   liveElements_ += unit.layout().paddedNumel();
@@ -62,6 +67,7 @@ void ShardedUnits::unshard(size_t u) {
 void ShardedUnits::reshard(size_t u) {
   if (policies_[u].keepGathered || states_[u] == UnitState::kSharded) return;
   if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
+  orderAllocationAfterUse(u);
   units_[u].releaseFlatParams();
   states_[u] = UnitState::kSharded;
   liveElements_ -= units_[u].layout().paddedNumel();
@@ -77,6 +83,26 @@ void ShardedUnits::prefetch(size_t u) {
   const int64_t numel = units_[u].layout().paddedNumel();
   if (liveElements_ + numel > maxLiveElements_) return;
   startUnshard(u);
+}
+
+// Note [release after use]: the caching allocator hands a freed block out again in the order of
+// the stream it was allocated on. A unit is released on the current stream, after the wait that
+// orders it behind the all-gather and after the kernels that read the parameters; when the
+// block came from another stream (a unit gathered on one thread's stream and released from
+// another's), an event makes that stream wait for this one first, so the block is not reused
+// while the all-gather or a kernel may still touch it. On one stream (the usual case) and on
+// CPUs there is nothing to order.
+void ShardedUnits::orderAllocationAfterUse(size_t u) {
+  auto& allocStream = allocStreams_[u];
+  if (!allocStream) return;
+  const auto device = units_[u].flatParams().device();
+  const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (current != *allocStream) {
+    c10::Event used(device.type());
+    used.record(current);
+    used.block(*allocStream);
+  }
+  allocStream.reset();
 }
 
 void ShardedUnits::preForward(size_t u) {

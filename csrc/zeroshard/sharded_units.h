@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include "zeroshard/bucket.h"
 #include "zeroshard/communicator.h"
@@ -63,6 +64,7 @@ class ShardedUnits {
   void unshard(size_t unit);
   void reshard(size_t unit);
   void prefetch(size_t unit);
+  void orderAllocationAfterUse(size_t unit);
   void checkOrderAcrossRanks();
   const std::string& nameOf(size_t unit) const;
 
@@ -73,6 +75,8 @@ class ShardedUnits {
   int64_t maxLiveElements_;
   std::vector<UnitState> states_;
   std::vector<std::optional<CommHandle>> pending_;
+  // The stream each gathered unit's storage was allocated on (Note [release after use]).
+  std::vector<std::optional<c10::Stream>> allocStreams_;
   std::vector<size_t> order_;
   bool recording_ = true;
   size_t forwardPos_ = 0;

@@ -101,6 +101,9 @@ def build_parser(doc, configs, steps=20, warmup=5, rounds=2, batch=8, quick="1 r
     p.add_argument("--persistence-threshold", type=int, default=10_000,
                    help="zeroshard stage 3's stage3_param_persistence_threshold (default 1e4: every "
                         "weight matrix sharded, biases and LayerNorms kept gathered)")
+    p.add_argument("--overlap-comm", choices=("on", "off"), default="on",
+                   help="zeroshard's zero_optimization.overlap_comm at every stage (default on, as DDP and "
+                        "FSDP2 overlap their reductions; DeepSpeed's default is off below stage 3)")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--configs", default=",".join(configs), help="comma-separated subset of " + ", ".join(configs))
     p.add_argument("--seed", type=int, default=0)
@@ -125,7 +128,9 @@ def parse_args(p=None, configs=CONFIGS, quick=(5, 2, 1)):
 
 def settings_of(args):
     return dict(steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq, seed=args.seed,
-                bucket_elems=args.bucket_elems, persistence_threshold=args.persistence_threshold, lr=1e-3, weight_decay=0.01, fused=fused_adamw_works(),
+                bucket_elems=args.bucket_elems, persistence_threshold=args.persistence_threshold,
+                overlap_comm=getattr(args, "overlap_comm", "on") == "on", lr=1e-3, weight_decay=0.01,
+                fused=fused_adamw_works(),
                 model=dict(vocab=512, dim=256, heads=4, hidden=1024, layers=args.layers, max_seq=args.seq))
 
 
@@ -188,7 +193,8 @@ def start(args):
         print(f"model: GPT {s['model']}, {num_params:,} parameters ({num_params * 4 / MB:.1f} MB fp32)")
         print(f"per rank: batch {s['batch']} x {s['seq']} tokens; {s['warmup']} warm-up + {s['steps']} timed steps; "
               f"AdamW lr {s['lr']} wd {s['weight_decay']}, torch fused={s['fused']}; "
-              f"buckets {s['bucket_elems']:,} elements; {args.rounds} round(s)", flush=True)
+              f"buckets {s['bucket_elems']:,} elements, zeroshard overlap_comm {'on' if s['overlap_comm'] else 'off'}; "
+              f"{args.rounds} round(s)", flush=True)
         if any(c.startswith("zeroshard-stage3") for c in args.configs):
             print(f"zeroshard stage 3: stage3_param_persistence_threshold {s['persistence_threshold']:,}: "
                   f"{kept:,} parameters ({100 * kept / num_params:.1f}%) stay gathered", flush=True)

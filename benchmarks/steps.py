@@ -75,9 +75,10 @@ class ZeroshardStep:
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {**_adamw_kwargs(s), "betas": [0.9, 0.999]}},
-            # overlap_comm on at every stage (DeepSpeed's default is off below stage 3): DDP and
-            # FSDP2 overlap their reductions with backward too.
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": s["bucket_elems"], "overlap_comm": True},
+            # overlap_comm on at every stage unless --overlap-comm off (DeepSpeed's default is off
+            # below stage 3): DDP and FSDP2 overlap their reductions with backward too.
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": s["bucket_elems"],
+                                  "overlap_comm": s.get("overlap_comm", True)},
         }
         if bf16:
             # bf16 parameters, gradients and gathers; fp32 master weights and AdamW state;

@@ -1,9 +1,7 @@
 """What the checkpoint tests share: the config they train with, a training loop over the
 global batches, and ways to damage a file."""
 
-import torch
-
-from models import global_batch
+from models import train_global_batches
 
 GLOBAL = 8  # sequences per optimizer step, at every world size
 LR = 1e-2
@@ -29,24 +27,8 @@ def config(world_size, stage, precision="fp32", gas=1, **extras):
 def train(model, engine, rank, world_size, steps):
     """Trains on the global batches of `steps` (in gradient_accumulation_steps micro-batches);
     returns the mean loss over ranks and micro-batches per step."""
-    import torch.distributed as dist
-
-    gas = engine.gradient_accumulation_steps
-    micro = GLOBAL // (world_size * gas)
-    losses = []
-    for step in steps:
-        tokens = global_batch(step, GLOBAL)
-        total = torch.zeros(())
-        for m in range(gas):
-            start = (m * world_size + rank) * micro
-            loss = model.loss(tokens[start:start + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        model.advance()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world_size * gas))
-    return losses
+    micro = GLOBAL // (world_size * engine.gradient_accumulation_steps)
+    return train_global_batches(model, engine, rank, world_size, steps, micro, after_step=model.advance)
 
 
 def damage(path, how):

@@ -54,6 +54,31 @@ def global_batch(step, batch, seq=9, vocab=37):
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+def train_global_batches(model, engine, rank, world_size, steps, micro, after_step=None):
+    """Runs one engine step per entry of `steps` on global_batch(step, micro x world_size x
+    gradient_accumulation_steps): rank r takes micro-batch m x world_size + r at micro-step m,
+    and engine.step() must report a step at the accumulation boundary only. Returns each step's
+    loss averaged over the global batch (every rank and micro-batch)."""
+    import torch.distributed as dist
+
+    gas = engine.gradient_accumulation_steps
+    losses = []
+    for step in steps:
+        tokens = global_batch(step, micro * world_size * gas)
+        total = torch.zeros(())
+        for m in range(gas):
+            start = (m * world_size + rank) * micro
+            loss = model.loss(tokens[start:start + micro])
+            engine.backward(loss)
+            assert engine.step() == (m == gas - 1)
+            total += loss.detach().float()
+        if after_step is not None:
+            after_step()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world_size * gas))
+    return losses
+
+
 def no_decay_groups(model):
     """The usual split: no weight decay for biases and norm weights."""
     decay, no_decay = [], []

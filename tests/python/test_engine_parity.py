@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from models import adamw_reference, global_batch, make_model, no_decay_groups
+from models import adamw_reference, make_model, no_decay_groups, train_global_batches
 from spawn import run_ranks
 
 STEPS = 4
@@ -36,7 +36,6 @@ def _config(stage, gas, clip):
 
 
 def _train(rank, world_size, gas, clip, two_groups):
-    import torch.distributed as dist
     import zeroshard
 
     results = {}
@@ -44,19 +43,7 @@ def _train(rank, world_size, gas, clip, two_groups):
         model = make_model()
         groups = no_decay_groups(model) if two_groups else None
         engine = zeroshard.initialize(model, _config(stage, gas, clip), param_groups=groups)
-        losses = []
-        for step in range(STEPS):
-            tokens = global_batch(step, MICRO * world_size * gas)
-            total = torch.zeros(())
-            for micro in range(gas):
-                start = (micro * world_size + rank) * MICRO
-                loss = model.loss(tokens[start:start + MICRO])
-                engine.backward(loss)
-                stepped = engine.step()
-                assert stepped == (micro == gas - 1)
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (world_size * gas))
+        losses = train_global_batches(model, engine, rank, world_size, range(STEPS), MICRO)
         results[stage] = (losses, engine.full_state_dict())
     return results if rank == 0 else None
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from models import adamw_reference, global_batch, make_model
+from models import adamw_reference, make_model, train_global_batches
 from spawn import run_ranks
 
 STEPS = 4
@@ -36,25 +36,13 @@ def _config(stage, overlap, bucket=700, extras=None):
 
 
 def _train_tiny(rank, world_size, overlap):
-    import torch.distributed as dist
     import zeroshard
 
     results = {}
     for stage in (0, 1, 2, 3):
         model = make_model()
         engine = zeroshard.initialize(model, _config(stage, overlap))
-        losses = []
-        for step in range(STEPS):
-            tokens = global_batch(step, MICRO * world_size * GAS)
-            total = torch.zeros(())
-            for micro in range(GAS):
-                start = (micro * world_size + rank) * MICRO
-                loss = model.loss(tokens[start:start + MICRO])
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (world_size * GAS))
+        losses = train_global_batches(model, engine, rank, world_size, range(STEPS), MICRO)
         results[stage] = (losses, engine.full_state_dict())
     return results if rank == 0 else None
 

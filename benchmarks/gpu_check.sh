@@ -2,9 +2,9 @@
 # The GPU check (issue 7), for a machine with one NVIDIA GPU and a CUDA build of torch, CMake,
 # ninja and a compiler, and no network: builds zeroshard (CMake + ninja on every core, into
 # build-gpu/), runs the Catch2 tests, tests/python/test_cuda.py (every stage on CUDA at world
-# size 1 with NCCL) and the C++ example on the GPU (ZeRO-3 over NCCL from C++), then benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain single-GPU training,
-# zeroshard stages 0-3, FSDP2), then, in the time left, the CPU pytest cases at world size 1.
-# Prints a short table last.
+# size 1 with NCCL) and the C++ example on the GPU (ZeRO-3 over NCCL from C++), then
+# benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain single-GPU training, zeroshard stages 0-3,
+# FSDP2), then, in the time left, the CPU pytest cases at world size 1. Prints a short table last.
 # With $OUT set, the whole log goes to $OUT/gpu_check.log, the bench numbers to $OUT/bench_gpu.*.
 #
 #   bash scripts/vendor_headers.sh    # first, on a machine with the Debian packages (see below)

@@ -50,8 +50,9 @@ def init_distributed(timeout_seconds=600.0):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = "gloo"
     # Without torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE: one machine (as initProcessGroupFromEnv).
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    # (A RANK or WORLD_SIZE missing is init_process_group's error to report.)
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     # A GPU for every rank on this machine, or none used: all ranks must choose alike.
     if torch.cuda.is_available():
         if local_world <= torch.cuda.device_count():

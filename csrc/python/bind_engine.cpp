@@ -80,7 +80,8 @@ void bindEngine(py::module_& m) {
              const auto s = e.memoryStats();
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
                              "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
-                             "gathered_peak"_a = s.gatheredPeakBytes, "staging_peak"_a = s.stagingPeakBytes);
+                             "gathered_peak"_a = s.gatheredPeakBytes, "staging_peak"_a = s.stagingPeakBytes,
+                             "fp32_grads_peak"_a = s.fp32GradsPeakBytes);
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)

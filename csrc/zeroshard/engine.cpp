@@ -289,6 +289,7 @@ MemoryStats Engine::memoryStats() const {
   }
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   stats.stagingPeakBytes = lastPeakStagingBytes_;
+  stats.fp32GradsPeakBytes = optimizer_.peakConvertedBytes();
   // fp32 training: the master weights are the parameters' own storage, not a copy.
   stats.optimizerBytes = optimizer_.stateBytes();
   for (const auto& b : buckets_) stats.optimizerBytes += b.separateMasterBytes();

@@ -70,6 +70,9 @@ struct MemoryStats {
   // 3, and the fp32 copies of 16-bit gradients reduced in fp32. One bucket's worth with
   // overlap_comm off.
   int64_t stagingPeakBytes = 0;
+  // 16-bit training: the most bytes of fp32 copies of gradient shards alive at once during the
+  // last optimizer step (one shard's worth: they are made one at a time). Not in the total.
+  int64_t fp32GradsPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
 };
 

@@ -8,6 +8,8 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace zeroshard {
 
 int ShardedAdamW::addGroup(const AdamWHyper& hyper) {
@@ -48,44 +50,86 @@ void ShardedAdamW::setStepCount(int64_t steps) {
   }
 }
 
+// Note [fp32 gradients one shard at a time]: AdamW, the overflow check and the norm work on
+// fp32 gradients. With 16-bit gradients, converting every shard up front would hold 4 more
+// bytes per element of this rank's shards until the step ends (a quarter of the 16 bytes per
+// parameter of model state). Instead each shard is converted when it is needed and dropped
+// right after, and the multiplications of the step (the fp16 unscale, the clipping factor) are
+// applied to each conversion in the order they were asked for, so the values are bit for bit
+// those of converting once: at most one shard's fp32 copy exists at a time.
 void ShardedAdamW::prepareGrads() {
+  pendingFactors_.clear();
+  liveConvertedBytes_ = 0;
+  peakConvertedBytes_ = 0;
   for (auto& g : groups_) {
     g.prepared.clear();
-    for (const auto& grad : g.grads) {
-      g.prepared.push_back(grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat));
-    }
+    for (const auto& grad : g.grads) g.prepared.push_back(grad.scalar_type() == at::kFloat ? grad : at::Tensor());
   }
+}
+
+at::Tensor ShardedAdamW::fp32Grad(const Group& g, size_t i) {
+  if (g.prepared[i].defined()) return g.prepared[i];
+  auto grad = g.grads[i].to(at::kFloat);
+  for (const auto& factor : pendingFactors_) grad.mul_(factor);
+  liveConvertedBytes_ += static_cast<int64_t>(grad.nbytes());
+  peakConvertedBytes_ = std::max(peakConvertedBytes_, liveConvertedBytes_);
+  return grad;
+}
+
+void ShardedAdamW::dropConverted(const at::Tensor& grad) {
+  liveConvertedBytes_ -= static_cast<int64_t>(grad.nbytes());
 }
 
 at::Tensor ShardedAdamW::unscaleAndFindNonFinite(double inverseScale, const at::Device& device) {
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
-  // One flag for every group: the kernel only ever sets it to 1.
+  // One flag for every shard: the kernel only ever sets it to 1.
   auto found = at::zeros({1}, options);
   const auto inverse = at::full({}, inverseScale, options);
   for (auto& g : groups_) {
-    if (!g.prepared.empty()) at::_amp_foreach_non_finite_check_and_unscale_(g.prepared, found, inverse);
+    std::vector<at::Tensor> inPlace;
+    for (size_t i = 0; i < g.prepared.size(); ++i) {
+      if (g.prepared[i].defined()) {
+        inPlace.push_back(g.prepared[i]);
+      } else {
+        // Checked (and unscaled) in a copy; later conversions apply the same factor.
+        auto grad = fp32Grad(g, i);
+        at::_amp_foreach_non_finite_check_and_unscale_({grad}, found, inverse);
+        dropConverted(grad);
+      }
+    }
+    if (!inPlace.empty()) at::_amp_foreach_non_finite_check_and_unscale_(inPlace, found, inverse);
   }
+  pendingFactors_.push_back(inverse);
   return found;
 }
 
 void ShardedAdamW::discardPrepared() {
   for (auto& g : groups_) g.prepared.clear();
+  pendingFactors_.clear();
 }
 
-at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) const {
+at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
   at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
-  for (const auto& g : groups_) {
-    // Each shard's norm in fp32 (a reduction that makes no copy; casting a shard to double
-    // first would hold 8 bytes per element for the moment), squared and summed in double.
-    for (const auto& grad : g.prepared) sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square());
+  for (auto& g : groups_) {
+    for (size_t i = 0; i < g.prepared.size(); ++i) {
+      // Each shard's norm in fp32 (a reduction that makes no copy; casting a shard to double
+      // first would hold 8 bytes per element for the moment), squared and summed in double.
+      const bool converted = !g.prepared[i].defined();
+      auto grad = fp32Grad(g, i);
+      sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square());
+      if (converted) dropConverted(grad);
+    }
   }
   return sum;
 }
 
 void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
   for (auto& g : groups_) {
-    for (auto& grad : g.prepared) grad.mul_(factor);
+    for (auto& grad : g.prepared) {
+      if (grad.defined()) grad.mul_(factor);
+    }
   }
+  pendingFactors_.push_back(factor);
 }
 
 void ShardedAdamW::step() {
@@ -95,11 +139,26 @@ void ShardedAdamW::step() {
     TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
     // The fused kernel reads the step it is given; torch.optim increments it first too.
     for (auto& s : g.steps) s.add_(1);
-    at::_fused_adamw_(g.masters, g.prepared, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, g.hyper.lr,
-                      g.hyper.beta1, g.hyper.beta2, g.hyper.weightDecay, g.hyper.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
+    const auto& hp = g.hyper;
+    const bool allFp32 = std::all_of(g.prepared.begin(), g.prepared.end(), [](const at::Tensor& t) { return t.defined(); });
+    if (allFp32) {
+      at::_fused_adamw_(g.masters, g.prepared, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, hp.lr, hp.beta1,
+                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false);
+    } else {
+      // Note [fp32 gradients one shard at a time]. The kernel treats every tensor of its lists
+      // on its own, so a call per shard computes what one call for the group would.
+      for (size_t i = 0; i < g.masters.size(); ++i) {
+        const bool converted = !g.prepared[i].defined();
+        auto grad = fp32Grad(g, i);
+        at::_fused_adamw_({g.masters[i]}, {grad}, {g.expAvgs[i]}, {g.expAvgSqs[i]}, /*max_exp_avg_sqs=*/{},
+                          {g.steps[i]}, hp.lr, hp.beta1, hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false,
+                          /*maximize=*/false);
+        if (converted) dropConverted(grad);
+      }
+    }
     g.prepared.clear();
   }
+  pendingFactors_.clear();
 }
 
 int64_t ShardedAdamW::stateBytes() const {

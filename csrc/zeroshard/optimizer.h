@@ -1,4 +1,5 @@
-// AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group.
+// AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group (per shard
+// when the gradients are 16-bit, Note [fp32 gradients one shard at a time]).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,24 +27,28 @@ class ShardedAdamW {
   // within the group.
   size_t addShard(int group, const at::Tensor& master, const at::Tensor& grad);
 
-  // A step is prepareGrads(), then optionally localGradSquareSum()/scaleGrads() (clipping),
-  // then step(). prepareGrads() makes the fp32 gradients the step uses: the registered ones
-  // when they are fp32, otherwise fp32 copies that live until step() returns.
+  // A step is prepareGrads(), then optionally unscaleAndFindNonFinite() (fp16),
+  // localGradSquareSum()/scaleGrads() (clipping), then step(). The step works on fp32
+  // gradients: the registered ones when they are fp32, which the multiplications change in
+  // place. 16-bit ones stay as they are (Note [fp32 gradients one shard at a time]).
   void prepareGrads();
-  // fp16: multiplies the prepared gradients by `inverseScale` and returns a 1-element float
-  // tensor on `device`, non-zero when any of them holds an inf or NaN on this rank (no host
-  // synchronisation: the caller reads it once, after combining ranks).
+  // fp16: gradients *= `inverseScale`; returns a 1-element float tensor on `device`, non-zero
+  // when any of them holds an inf or NaN on this rank (no host synchronisation: the caller
+  // reads it once, after combining ranks).
   at::Tensor unscaleAndFindNonFinite(double inverseScale, const at::Device& device);
   // Drops the prepared gradients of a step that is skipped.
   void discardPrepared();
-  // Sum of squares of every prepared gradient on this rank: a 0-dim double tensor on `device`
-  // (computed there, no host synchronisation, no copy of any gradient).
-  at::Tensor localGradSquareSum(const at::Device& device) const;
-  // Prepared grads *= factor (clipping).
+  // Sum of squares of every gradient on this rank: a 0-dim double tensor on `device` (computed
+  // there, no host synchronisation, no copy of an fp32 gradient).
+  at::Tensor localGradSquareSum(const at::Device& device);
+  // Gradients *= factor (clipping).
   // `factor` is a 0-dim tensor on the gradients' device (no host synchronisation).
   void scaleGrads(const at::Tensor& factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
   void step();
+  // The most bytes of fp32 copies of 16-bit gradients alive at once in the last step: the
+  // largest shard's (4 bytes per element), or 0 when the gradients are fp32.
+  int64_t peakConvertedBytes() const { return peakConvertedBytes_; }
 
   int numGroups() const { return static_cast<int>(groups_.size()); }
   AdamWHyper& hyper(int group) { return groups_.at(group).hyper; }
@@ -62,10 +67,20 @@ class ShardedAdamW {
   struct Group {
     AdamWHyper hyper;
     std::vector<at::Tensor> masters, grads, expAvgs, expAvgSqs, steps;
-    std::vector<at::Tensor> prepared;  // fp32 gradients of the step in progress
+    // The step in progress: the fp32 gradient of each shard, undefined where the registered
+    // one is 16-bit (it is converted when needed, then dropped).
+    std::vector<at::Tensor> prepared;
   };
+  // The fp32 gradient of shard i of g: the prepared one, or a fresh fp32 copy of the 16-bit
+  // one with the multiplications of this step applied, in the order they were asked for.
+  at::Tensor fp32Grad(const Group& g, size_t i);
+  void dropConverted(const at::Tensor& grad);
+
   std::vector<Group> groups_;
   int64_t steps_ = 0;
+  std::vector<at::Tensor> pendingFactors_;  // for 16-bit gradients, applied at conversion
+  int64_t liveConvertedBytes_ = 0;
+  int64_t peakConvertedBytes_ = 0;
 };
 
 } // namespace zeroshard

@@ -143,9 +143,9 @@ class Engine:
 
     def memory_stats(self):
         """Bytes of parameters, gradients and optimizer state this rank holds between steps
-        (params, grads, optimizer, total), and two peaks of the last step that are not in the
-        total: gathered_peak (stage 3's whole unit parameters) and staging_peak (gradient
-        staging buffers)."""
+        (params, grads, optimizer, total), and peaks of the last step that are not in the
+        total: gathered_peak (stage 3's whole unit parameters), staging_peak (gradient staging
+        buffers) and fp32_grads_peak (fp32 copies of 16-bit gradient shards in the step)."""
         return self._core.memory_stats()
 
     def comm_stats(self):

@@ -49,3 +49,58 @@ def test_clipping_converts_no_gradient(stage):
     expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
     for norm, _ in results:
         assert norm == pytest.approx(expected, rel=1e-5)
+
+
+LAYERS = 4
+
+
+def _converted_peak(rank, world_size, stage, precision):
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(LAYERS)])
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        # A bucket (stages 1-2) or a unit (stage 3, every layer) per layer.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": DIM * DIM,
+                              "stage3_param_persistence_threshold": 0},
+        precision: {"enabled": True},
+    }
+    if stage == 3:
+        config["zeroshard"] = {"stage3_unit_classes": ["Linear"]}
+    engine = zeroshard.initialize(model, config)
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank)).to(next(model.parameters()).dtype)
+    peaks = []
+    for _ in range(2):
+        engine.backward(model(x).float().square().mean())
+        engine.step()
+        peaks.append(engine.memory_stats()["fp32_grads_peak"])
+    return peaks, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")])
+def test_16_bit_gradients_become_fp32_one_shard_at_a_time(stage, precision):
+    """The step (with clipping, and fp16's unscale) makes fp32 copies of the 16-bit gradient
+    shards one at a time: the most alive at once is one layer's shard, 4 bytes per element,
+    not all of them."""
+    shard_bytes = DIM * DIM // 2 * 4
+    for peaks, skipped in run_ranks(_converted_peak, 2, stage, precision):
+        assert skipped == 0
+        assert peaks == [shard_bytes, shard_bytes], peaks
+
+
+def _fp32_peak(rank, world_size):
+    import zeroshard
+
+    model = torch.nn.Linear(DIM, DIM, bias=False)
+    engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                          "zero_optimization": {"stage": 2}})
+    engine.backward(model(torch.randn(2, DIM)).square().mean())
+    engine.step()
+    return engine.memory_stats()["fp32_grads_peak"]
+
+
+def test_fp32_gradients_are_not_copied():
+    assert run_ranks(_fp32_peak, 2) == [0, 0]

@@ -14,7 +14,7 @@ using namespace pybind11::literals;
 namespace zeroshard::python {
 
 void bindCheckpoint(py::module_& m) {
-  py::class_<CheckpointReader>(m, "CheckpointReader",
+  py::class_<CheckpointReader, HolderWithoutGil<CheckpointReader>>(m, "CheckpointReader",
                                "A saved checkpoint, read tensor by tensor with every byte checked.")
       .def(py::init<const std::string&, const std::optional<std::string>&>(), "dir"_a, "tag"_a = py::none())
       .def_property_readonly("path", &CheckpointReader::path)

@@ -43,11 +43,11 @@ py::dict commStatsDict(const CommStats& stats) {
 
 
 void bindCommunicator(py::module_& m) {
-  py::class_<CommHandle>(m, "CommHandle", "A collective in flight; wait() completes it.")
+  py::class_<CommHandle, HolderWithoutGil<CommHandle>>(m, "CommHandle", "A collective in flight; wait() completes it.")
       .def("wait", &CommHandle::wait, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending", &CommHandle::pending);
 
-  py::class_<Communicator>(m, "Communicator")
+  py::class_<Communicator, HolderWithoutGil<Communicator>>(m, "Communicator")
       .def(py::init([](const std::string& groupName, double timeoutSeconds) {
              return Communicator::fromGroupName(groupName, toMillis(timeoutSeconds));
            }),

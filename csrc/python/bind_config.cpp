@@ -12,10 +12,12 @@ namespace py = pybind11;
 namespace zeroshard::python {
 namespace {
 
-// DeepSpeed keys zeroshard ignores reach Python users as UserWarnings, once per config read.
+// DeepSpeed keys zeroshard ignores reach Python users as UserWarnings, once per config read,
+// attributed to the user's line (the first frame outside the zeroshard package).
 Config warned(Config config) {
-  for (const auto& message : config.warnings) {
-    if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 2) != 0) throw py::error_already_set();
+  if (!config.warnings.empty()) {
+    const py::object warn = py::module_::import("zeroshard._warnings").attr("warn_at_caller");
+    for (const auto& message : config.warnings) warn(message);
   }
   return config;
 }
@@ -84,7 +86,6 @@ void bindConfig(py::module_& m) {
       .def_readonly("allgather_bucket_size", &ZeroConfig::allgatherBucketSize)
       .def_property_readonly("overlap_comm", &ZeroConfig::overlapCommResolved,
                              "Resolved: when not set, true at stage 3 and false below.")
-      .def_readonly("contiguous_gradients", &ZeroConfig::contiguousGradients)
       .def_readonly("stage3_prefetch_bucket_size", &ZeroConfig::stage3PrefetchBucketSize)
       .def_readonly("stage3_param_persistence_threshold",
                     &ZeroConfig::stage3ParamPersistenceThreshold)
@@ -95,7 +96,8 @@ void bindConfig(py::module_& m) {
       .def_readonly("reshard_after_forward", &ZeroshardExtras::reshardAfterForward)
       .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses)
       .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype)
-      .def_readonly("checkpoint_keep_last", &ZeroshardExtras::checkpointKeepLast);
+      .def_readonly("checkpoint_keep_last", &ZeroshardExtras::checkpointKeepLast)
+      .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",

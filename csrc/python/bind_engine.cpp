@@ -35,7 +35,7 @@ std::vector<ParamGroupSpec> groupSpecs(const py::list& groups) {
 } // namespace
 
 void bindEngine(py::module_& m) {
-  py::class_<Engine>(m, "Engine")
+  py::class_<Engine, HolderWithoutGil<Engine>>(m, "Engine")
       .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
                        const py::list& units) {
              auto specs = groupSpecs(groups);
@@ -50,8 +50,8 @@ void bindEngine(py::module_& m) {
              // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
              // the last reference to a Python-owned tensor, so it must not be held here.
              py::gil_scoped_release noGil;
-             return std::make_unique<Engine>(std::move(specs), std::move(processGroup), config,
-                                             std::move(unitSpecs));
+             return HolderWithoutGil<Engine>(
+                 new Engine(std::move(specs), std::move(processGroup), config, std::move(unitSpecs)));
            }),
            "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list())
       .def("pre_forward", &Engine::preForward, "unit"_a, py::call_guard<py::gil_scoped_release>())
@@ -85,6 +85,17 @@ void bindEngine(py::module_& m) {
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)
+      .def("master_weights", &Engine::masterWeights, py::call_guard<py::gil_scoped_release>())
+      .def("stage3_units",
+           [](const Engine& e) {
+             py::list units;
+             for (const auto& u : e.stage3Units()) {
+               units.append(py::dict("name"_a = u.name, "numel"_a = u.numel, "params"_a = u.params,
+                                     "persistent"_a = u.persistent, "persistent_numel"_a = u.persistentNumel,
+                                     "root"_a = u.root));
+             }
+             return units;
+           })
       .def("set_module_state",
            [](Engine& e, std::vector<std::string> keys, std::vector<std::pair<std::string, at::Tensor>> tensors,
               std::vector<std::pair<std::string, std::string>> aliases) {

@@ -172,6 +172,30 @@ CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& fl
   return CommHandle(std::move(work), {}, describe(CollectiveKind::kAllGather, flat), hostWaitTimeout(flat));
 }
 
+CommHandle Communicator::allGatherPieces(const at::Tensor& piece, const std::vector<at::Tensor>& pieces) {
+  checkBuffer("all_gather", "input", piece);
+  TORCH_CHECK(static_cast<int>(pieces.size()) == worldSize_, "zeroshard: all_gather: ", pieces.size(),
+              " output pieces for a world of ", worldSize_, " ranks (one per rank)");
+  for (const auto& out : pieces) {
+    checkBuffer("all_gather", "output", out);
+    TORCH_CHECK(out.numel() == piece.numel() && out.scalar_type() == piece.scalar_type() &&
+                    out.device() == piece.device(),
+                "zeroshard: all_gather: an output piece of ", out.numel(), " x ", out.scalar_type(), " on ",
+                out.device(), " for an input of ", piece.numel(), " x ", piece.scalar_type(), " on ", piece.device());
+  }
+  const auto bytes = static_cast<int64_t>(piece.nbytes()) * worldSize_;
+  stats_.record(CollectiveKind::kAllGather, bytes);
+  std::vector<std::vector<at::Tensor>> outputs{pieces};
+  std::vector<at::Tensor> inputs{piece};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  auto work = group_->allgather(outputs, inputs, opts);
+  std::ostringstream what;
+  what << "all_gather of " << bytes << " bytes in " << worldSize_ << " pieces of " << piece.numel() << " x "
+       << piece.scalar_type() << " on rank " << rank_ << " of " << worldSize_ << " (" << backendName() << ")";
+  return CommHandle(std::move(work), {}, what.str(), hostWaitTimeout(piece));
+}
+
 CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor& shard, double scale) {
   checkShardPair("reduce_scatter", shard, flat, worldSize_);
   stats_.record(CollectiveKind::kReduceScatter, static_cast<int64_t>(flat.nbytes()));

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class ProcessGroup;
@@ -96,6 +97,10 @@ class Communicator {
 
   // flat[r*S, (r+1)*S) = shard of rank r, S = shard.numel(). Non-blocking.
   CommHandle allGather(const at::Tensor& shard, const at::Tensor& flat);
+  // pieces[r] = rank r's `piece` (every piece the same size; they may be separate views into one
+  // buffer, e.g. the same chunk of every rank's slice). Non-blocking. The backend stages the
+  // result in a buffer of pieces.size() x piece.numel() elements and copies it out.
+  CommHandle allGatherPieces(const at::Tensor& piece, const std::vector<at::Tensor>& pieces);
   // shard = scale * (sum over ranks of flat[rank*S, (rank+1)*S)). Gloo has no AVG, so the
   // mean is SUM with scale = 1/worldSize. Non-blocking; the scaling runs in wait().
   CommHandle reduceScatter(const at::Tensor& flat, const at::Tensor& shard, double scale = 1.0);
@@ -120,6 +125,20 @@ class Communicator {
   int worldSize_ = 1;
   std::chrono::milliseconds timeout_;
   CommStats stats_;
+};
+
+// While alive, the collectives of `comm` are not counted: they are not training traffic (a
+// checkpoint, a full state dict), and commStats() goes on describing steps.
+class UncountedCollectives {
+ public:
+  explicit UncountedCollectives(Communicator& comm) : comm_(comm), saved_(comm.stats()) {}
+  ~UncountedCollectives() { comm_.restoreStats(saved_); }
+  UncountedCollectives(const UncountedCollectives&) = delete;
+  UncountedCollectives& operator=(const UncountedCollectives&) = delete;
+
+ private:
+  Communicator& comm_;
+  CommStats saved_;
 };
 
 } // namespace zeroshard

@@ -147,7 +147,6 @@ std::string Config::toJsonString() const {
       {"reduce_bucket_size", zero.reduceBucketSize},
       {"allgather_bucket_size", zero.allgatherBucketSize},
       {"overlap_comm", zero.overlapCommResolved()},
-      {"contiguous_gradients", zero.contiguousGradients},
       {"stage3_prefetch_bucket_size", zero.stage3PrefetchBucketSize},
       {"stage3_param_persistence_threshold", zero.stage3ParamPersistenceThreshold},
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
@@ -155,7 +154,8 @@ std::string Config::toJsonString() const {
                     {"reshard_after_forward", extras.reshardAfterForward},
                     {"stage3_unit_classes", extras.unitClasses},
                     {"reduce_dtype", extras.reduceDtype},
-                    {"checkpoint", {{"keep_last", extras.checkpointKeepLast}}}};
+                    {"checkpoint", {{"keep_last", extras.checkpointKeepLast}}},
+                    {"max_inflight_reductions", extras.maxInflightReductions}};
   return j.dump(2);
 }
 

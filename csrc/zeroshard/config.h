@@ -63,7 +63,9 @@ struct ZeroConfig {
   int64_t reduceBucketSize = 500000000;
   int64_t allgatherBucketSize = 500000000;
   std::optional<bool> overlapComm;  // unset: the stage decides, see overlapCommResolved()
-  bool contiguousGradients = true;
+  // contiguous_gradients is read but has no field: gradients are always contiguous here (stages
+  // 0 and 1 accumulate into one flat buffer, stages 2 and 3 copy each final gradient into a flat
+  // staging buffer), so `false` is a warning (docs/config.md).
   int64_t stage3PrefetchBucketSize = 50000000;  // 0 = no prefetch
   int64_t stage3ParamPersistenceThreshold = 100000;
   int64_t stage3MaxLiveParameters = 1000000000;
@@ -87,6 +89,10 @@ struct ZeroshardExtras {
   // save_checkpoint keeps this many complete checkpoints in its directory (the newest ones),
   // removing older ones only once the new one is complete; 0 keeps all.
   int64_t checkpointKeepLast = 2;
+  // Gradient reductions in flight at once during backward (overlap_comm on): launching one more
+  // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
+  // one being filled exist (as FSDP2 bounds its reduce-scatter states).
+  int64_t maxInflightReductions = 2;
 };
 
 struct Config {

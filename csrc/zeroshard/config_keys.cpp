@@ -55,7 +55,7 @@ const std::vector<ConfigSection>& allSections() {
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply"}},
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
-        "checkpoint"},
+        "checkpoint", "max_inflight_reductions"},
        {}},
       {"zeroshard.checkpoint", {"keep_last"}, {}},
   };

@@ -293,6 +293,7 @@ void ConfigReader::readTopLevel(const Json& root) {
     readNumber(*extras, "zeroshard", "collective_timeout_seconds", kPositive,
                config_.extras.collectiveTimeoutSeconds);
     readBool(*extras, "zeroshard", "reshard_after_forward", config_.extras.reshardAfterForward);
+    readInt(*extras, "zeroshard", "max_inflight_reductions", kPositiveInt, config_.extras.maxInflightReductions);
     if (const Json* checkpoint = object(*extras, "zeroshard", "checkpoint")) {
       checkKeys(*checkpoint, "zeroshard.checkpoint", configSection("zeroshard.checkpoint"));
       readInt(*checkpoint, "zeroshard.checkpoint", "keep_last", kNonNegativeInt, config_.extras.checkpointKeepLast);
@@ -394,7 +395,14 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
   if (const Json* v = member(o, "overlap_comm"); v != nullptr && !v->is_null()) {
     zero.overlapComm = toBool(*v, join(path, "overlap_comm"));
   }
-  readBool(o, path, "contiguous_gradients", zero.contiguousGradients);
+  bool contiguous = true;
+  readBool(o, path, "contiguous_gradients", contiguous);
+  if (!contiguous) {
+    config_.warnings.push_back("\"" + join(path, "contiguous_gradients") +
+                               "\": false is ignored; zeroshard always reduces gradients from contiguous "
+                               "flat buffers (stages 0 and 1 accumulate into one, stages 2 and 3 copy each "
+                               "final gradient into one)");
+  }
   // 0 is allowed: DeepSpeed reads a prefetch bucket of 0 as "do not prefetch".
   readInt(o, path, aliased(o, path, "stage3_prefetch_bucket_size", "prefetch_bucket_size"),
           kNonNegativeInt, zero.stage3PrefetchBucketSize);

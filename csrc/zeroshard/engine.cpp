@@ -1,5 +1,6 @@
 #include "zeroshard/engine.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -7,6 +8,7 @@
 
 #include "zeroshard/grad_reducer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <unordered_set>
@@ -79,13 +81,15 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                                             config_.zero.stage3MaxLiveParameters);
   }
   registerShards();
-  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage());
+  ReductionOptions reduction;
   // fp16 gradients are divided by the world size before they are summed, so the sum of many
   // ranks' scaled gradients stays inside fp16's range.
-  reducer_->setPreDivide(computeDtype_ == at::kHalf);
-  reducer_->setReduceInFloat(config_.extras.reduceDtype == "fp32");
-  reducer_->setOverlap(config_.zero.overlapCommResolved());
-  if (units_) reducer_->setOnLaunched([this](size_t unit) { units_->afterGradReduce(unit); });
+  reduction.preDivide = computeDtype_ == at::kHalf;
+  reduction.reduceInFloat = config_.extras.reduceDtype == "fp32";
+  reduction.overlap = config_.zero.overlapCommResolved();
+  reduction.maxInFlight = config_.extras.maxInflightReductions;
+  if (units_) reduction.onLaunched = [this](size_t unit) { units_->afterGradReduce(unit); };
+  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage(), std::move(reduction));
   comm_.resetStats();
 }
 
@@ -113,7 +117,13 @@ void Engine::registerShards() {
         break;
       case 1:
         b.allocateFlatGrads();
-        whole(b.flatGradShard());
+        if (computeDtype_ != at::kFloat && config_.extras.reduceDtype == "fp32") {
+          // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
+          b.allocateGradShard(at::kFloat);
+          whole(b.gradShard());
+        } else {
+          whole(b.flatGradShard());
+        }
         break;
       case 2:
         b.allocateGradShard(gradShardDtype());
@@ -258,8 +268,29 @@ void Engine::gatherParams() {
     units_->refreshKeptUnits();  // the other units gather from their shards when next used
     return;
   }
+  // Note [all-gather buckets]: zero_optimization.allgather_bucket_size bounds the elements one
+  // all-gather delivers, as in DeepSpeed's stages 1 and 2. A bucket that fits is gathered in one
+  // call straight into its flat buffer, all such buckets at once; a larger one goes chunk by
+  // chunk, the same chunk of every rank's slice per call, each waited for before the next, so
+  // the backend's staging buffer stays within the bound.
+  const int64_t limit = config_.zero.allgatherBucketSize;
+  const int64_t world = comm_.worldSize();
   std::vector<CommHandle> handles;
-  for (auto& b : buckets_) handles.push_back(comm_.allGather(b.paramShard(), b.flatParams()));
+  for (auto& b : buckets_) {
+    if (b.layout().paddedNumel() <= limit) {
+      handles.push_back(comm_.allGather(b.paramShard(), b.flatParams()));
+      continue;
+    }
+    const int64_t shardNumel = b.layout().shardNumel();
+    const int64_t chunk = std::max<int64_t>(1, limit / world);
+    const at::Tensor shard = b.paramShard();
+    for (int64_t begin = 0; begin < shardNumel; begin += chunk) {
+      const int64_t length = std::min(chunk, shardNumel - begin);
+      std::vector<at::Tensor> pieces;
+      for (int64_t r = 0; r < world; ++r) pieces.push_back(b.flatParams().narrow(0, r * shardNumel + begin, length));
+      comm_.allGatherPieces(shard.narrow(0, begin, length), pieces).wait();
+    }
+  }
   for (auto& h : handles) h.wait();
 }
 
@@ -285,7 +316,8 @@ MemoryStats Engine::memoryStats() const {
     } else {
       stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
     }
-    stats.gradBytes += static_cast<int64_t>(stage() < 2 ? b.flatGrads().nbytes() : b.gradShard().nbytes());
+    if (b.flatGrads().defined()) stats.gradBytes += static_cast<int64_t>(b.flatGrads().nbytes());
+    if (b.gradShard().defined()) stats.gradBytes += static_cast<int64_t>(b.gradShard().nbytes());
   }
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   stats.stagingPeakBytes = lastPeakStagingBytes_;
@@ -300,6 +332,23 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const 
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& b : buckets_) {
     for (size_t i = 0; i < b.size(); ++i) out.emplace_back(b.layout().params()[i].name, b.params()[i]);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
+  UncountedCollectives uncounted(comm_);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : buckets_) {
+    at::Tensor full = b.master();
+    if (stage() > 0) {
+      full = at::empty({b.layout().paddedNumel()}, b.master().options());
+      comm_.allGather(b.master(), full).wait();
+    }
+    for (const auto& place : b.layout().params()) {
+      const at::Tensor view = full.narrow(0, place.offset, place.numel).view(place.shape);
+      out.emplace_back(place.name, view.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true));
+    }
   }
   return out;
 }

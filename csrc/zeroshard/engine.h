@@ -47,6 +47,19 @@ struct UnitSpec {
   bool root = false;
 };
 
+// Stage 3: a unit as the engine built it. `numel` counts the elements it gathers and releases
+// (its parameters but the persistent ones); `persistent` are its parameters of at most
+// stage3_param_persistence_threshold elements, which stay gathered for the whole run in one
+// shared unit (each costs a full copy on every rank plus its optimizer shard).
+struct UnitInfo {
+  std::string name;
+  int64_t numel = 0;
+  std::vector<std::string> params;
+  std::vector<std::string> persistent;
+  int64_t persistentNumel = 0;
+  bool root = false;
+};
+
 // One optimizer param group: its parameters (leaf tensors that require grad) with their names,
 // and hyper-parameters that override the config's optimizer.params.
 struct ParamGroupSpec {
@@ -145,6 +158,11 @@ class Engine {
   const CommStats& commStats() const { return lastStepStats_; }
   // Every trained parameter, by its original name (full tensors; stages 0-2 keep them whole).
   std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;
+  // Every trained parameter's fp32 master weights, whole, by its original name, as new CPU
+  // tensors (with bf16/fp16 these are the values the optimizer keeps, not the 16-bit copy).
+  // Collective and blocking: every rank calls it; the all-gathers are not counted in
+  // commStats(). One bucket's full fp32 buffer exists at a time.
+  std::vector<std::pair<std::string, at::Tensor>> masterWeights();
 
   // Stage 3 module hooks, by index into the UnitSpec list (units with no parameter of their own
   // are no-ops). postForward registers pre-backward hooks on the outputs.
@@ -154,6 +172,9 @@ class Engine {
   // gathered again for its backward). Below stage 3 it just runs `forward`.
   at::Tensor runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward);
   size_t numUnitSpecs() const { return specToUnit_.size(); }
+  // Stage 3: the units built, in UnitSpec order (empty below stage 3), and their names.
+  const std::vector<UnitInfo>& stage3Units() const { return unitInfos_; }
+  std::vector<std::string> unitNames() const;
   // Stage 3: make every parameter whole (blocking), and release them again.
   void gatherParameters();
   void reshardParameters();
@@ -206,6 +227,7 @@ class Engine {
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ShardedUnits> units_;
   std::vector<int> specToUnit_;
+  std::vector<UnitInfo> unitInfos_;
   // Where each bucket's optimizer state lives: the shards registered with the optimizer, by
   // their offset within heldRange(bucket).
   struct OptimizerSlot {

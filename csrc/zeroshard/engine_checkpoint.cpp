@@ -33,19 +33,6 @@ at::Tensor kindOf(const ShardedAdamW::ShardState& state, size_t kind) {
   return kind == 0 ? state.master : kind == 1 ? state.expAvg : state.expAvgSq;
 }
 
-// A checkpoint's collectives are not training traffic: commStats() goes on describing steps.
-class UncountedCollectives {
- public:
-  explicit UncountedCollectives(Communicator& comm) : comm_(comm), saved_(comm.stats()) {}
-  ~UncountedCollectives() { comm_.restoreStats(saved_); }
-  UncountedCollectives(const UncountedCollectives&) = delete;
-  UncountedCollectives& operator=(const UncountedCollectives&) = delete;
-
- private:
-  Communicator& comm_;
-  CommStats saved_;
-};
-
 
 } // namespace
 

@@ -37,6 +37,7 @@ std::vector<UnitPolicy> Engine::buildUnits(const std::vector<ParamGroupSpec>& gr
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
     std::vector<int> groupIds;
+    UnitInfo& info = unitInfos_.emplace_back(UnitInfo{spec.name, 0, {}, {}, 0, spec.root});
     for (const auto& name : spec.paramNames) {
       auto it = byName.find(name);
       TORCH_CHECK(it != byName.end(), "zeroshard stage 3: unit '", spec.name, "' lists parameter '", name,
@@ -47,6 +48,8 @@ std::vector<UnitPolicy> Engine::buildUnits(const std::vector<ParamGroupSpec>& gr
       (persistent ? keptParams : params).push_back(it->second.param);
       (persistent ? keptNames : names).push_back(name);
       (persistent ? keptGroups : groupIds).push_back(it->second.group);
+      (persistent ? info.persistent : info.params).push_back(name);
+      (persistent ? info.persistentNumel : info.numel) += it->second.param.numel();
     }
     if (params.empty()) {
       specToUnit_.push_back(-1);
@@ -70,6 +73,12 @@ std::vector<UnitPolicy> Engine::buildUnits(const std::vector<ParamGroupSpec>& gr
     policies.push_back(UnitPolicy{false, true});
   }
   return policies;
+}
+
+std::vector<std::string> Engine::unitNames() const {
+  std::vector<std::string> names;
+  for (const auto& info : unitInfos_) names.push_back(info.name);
+  return names;
 }
 
 void Engine::preForward(size_t unitSpec) {

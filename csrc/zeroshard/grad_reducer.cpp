@@ -41,9 +41,11 @@ struct GradReducer::HookHandle {
   uintptr_t key;
 };
 
-GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage)
-    : buckets_(buckets), comm_(comm), stage_(stage) {
+GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage, ReductionOptions options)
+    : buckets_(buckets), comm_(comm), stage_(stage), options_(std::move(options)) {
   TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zeroshard::GradReducer handles stages 0-3, got ", stage_);
+  TORCH_CHECK(options_.maxInFlight >= 1, "zeroshard: zeroshard.max_inflight_reductions must be >= 1, got ",
+              options_.maxInFlight);
   for (const auto& b : buckets_) {
     ready_.emplace_back(b.size(), 0);
   }
@@ -130,9 +132,14 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
 }
 
 // Note [staging lifetime]: a reduction's completion holds its staging buffer (a full-size
-// gradient copy at stages 2 and 3). Completions of reductions that have finished run as soon
-// as the next bucket launches, oldest first, so at most the reductions still in flight hold a
-// buffer, rather than every bucket of the backward until its end.
+// gradient copy at stages 2 and 3). Before a bucket launches, the reductions that have finished
+// are retired (oldest first), and then, while maxInFlight are still running, the oldest is
+// waited for. Polling alone is not enough: Gloo reports an async reduce_scatter_tensor as not
+// completed until wait() is called, so nothing would be freed before backward ends and the
+// transient would be a whole gradient copy. With the cap, at most maxInFlight staging buffers
+// are in flight plus the one being filled: staging_peak <= (maxInFlight + 1) x the largest
+// bucket's, on every backend. On a GPU the wait only orders the compute stream after the
+// collective, so the cap costs the host nothing.
 void GradReducer::retireCompleted() {
   size_t done = 0;
   while (done < inFlight_.size() && inFlight_[done].handle.completed()) {
@@ -140,6 +147,11 @@ void GradReducer::retireCompleted() {
     ++done;
   }
   inFlight_.erase(inFlight_.begin(), inFlight_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+void GradReducer::retireOldest() {
+  retire(inFlight_.front());
+  inFlight_.erase(inFlight_.begin());
 }
 
 void GradReducer::retire(InFlight& f) {
@@ -164,24 +176,31 @@ void GradReducer::countStaging(int64_t bytes) {
 
 void GradReducer::launch(size_t bucket) {
   retireCompleted();
+  while (static_cast<int64_t>(inFlight_.size()) >= options_.maxInFlight) retireOldest();
   auto& b = buckets_[bucket];
   launched_[bucket] = 1;
   double mean = 1.0 / comm_.worldSize();
-  if (preDivide_ && stage_ < 2) {
+  if (options_.preDivide && stage_ < 2) {
     b.flatGrads().mul_(mean);
     mean = 1.0;
   }
-  const bool widen = reduceInFloat_ && b.flatParams().scalar_type() != at::kFloat;
-  if (stage_ < 2 && widen) {
+  const bool widen = options_.reduceInFloat && b.flatParams().scalar_type() != at::kFloat;
+  if (stage_ == 0 && widen) {
     // Sum in fp32, then round the result into the 16-bit gradients once.
     auto wide = b.flatGrads().to(at::kFloat);
     const auto wideBytes = static_cast<int64_t>(wide.nbytes());
     countStaging(wideBytes);
-    const auto range = b.layout().shardRange(comm_.rank());
-    auto target = stage_ == 0 ? b.flatGrads() : b.flatGradShard();
-    auto result = stage_ == 0 ? wide : wide.narrow(0, range.begin, range.numel());
-    inFlight_.push_back({stage_ == 0 ? comm_.allReduce(wide, mean) : comm_.reduceScatter(wide, result, mean),
-                         [target, result]() mutable { target.copy_(result); }, wideBytes});
+    const at::Tensor& target = b.flatGrads();
+    inFlight_.push_back({comm_.allReduce(wide, mean), [target, wide]() mutable { target.copy_(wide); }, wideBytes});
+  } else if (stage_ == 1 && widen) {
+    // The fp32 sums land in the fp32 gradient shard the optimizer reads, unrounded, as at
+    // stages 2 and 3 (so stages 1-3 give bitwise the same weights).
+    auto wide = b.flatGrads().to(at::kFloat);
+    const auto wideBytes = static_cast<int64_t>(wide.nbytes());
+    countStaging(wideBytes);
+    TORCH_CHECK(b.gradShard().defined() && b.gradShard().scalar_type() == at::kFloat,
+                "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
+    inFlight_.push_back({comm_.reduceScatter(wide, b.gradShard(), mean), [wide]() {}, wideBytes});
   } else if (stage_ == 0) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
   } else if (stage_ == 1) {
@@ -206,7 +225,7 @@ void GradReducer::launch(size_t bucket) {
       countStaging(-narrowBytes);
     }
     const auto stagingBytes = static_cast<int64_t>(staging.nbytes());
-    if (preDivide_) {
+    if (options_.preDivide) {
       staging.mul_(mean);
       mean = 1.0;
     }
@@ -220,9 +239,9 @@ void GradReducer::launch(size_t bucket) {
                            [staging, partial, shard]() mutable { shard.add_(partial); }, stagingBytes});
     }
     shardHasData_[bucket] = 1;
-    if (onLaunched_) onLaunched_(bucket);
+    if (options_.onLaunched) options_.onLaunched(bucket);
   }
-  if (!overlap_) retireAll();
+  if (!options_.overlap) retireAll();
 }
 
 void GradReducer::finishBackward() {

@@ -4,7 +4,8 @@
 // this backward. When every parameter of a bucket has reported, the bucket's collective starts
 // at once (asynchronously) and overlaps the rest of backward:
 //   stage 0: all-reduce of the full flat gradients, at the accumulation boundary;
-//   stage 1: reduce-scatter of the full flat gradients into this rank's slice, at the boundary;
+//   stage 1: reduce-scatter of the full flat gradients into this rank's slice, at the boundary
+//            (16-bit gradients summed in fp32: into the bucket's fp32 gradient shard);
 //   stages 2 and 3: every micro-batch, the bucket's gradients are copied into a full-size staging
 //            buffer, reduce-scattered, added to the fp32 gradient shard, and the staging
 //            buffer is released.
@@ -14,7 +15,9 @@
 // With overlap off (DeepSpeed's zero_optimization.overlap_comm = false, its default below stage
 // 3) each reduction is waited for as soon as it is launched: on a CPU the hook blocks until it
 // is done; on a GPU the compute stream waits for it, so the rest of backward runs after it. At
-// stages 2 and 3 that keeps at most one staging buffer alive, at the cost of the overlap.
+// stages 2 and 3 that keeps at most one staging buffer alive, at the cost of the overlap. With
+// overlap on, at most ReductionOptions::maxInFlight reductions run at once (Note [staging
+// lifetime]).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,9 +32,22 @@
 
 namespace zeroshard {
 
+struct ReductionOptions {
+  // Divide gradients by the world size before summing them (fp16), instead of after.
+  bool preDivide = false;
+  // Reduce 16-bit gradients in float32 (zeroshard.reduce_dtype = "fp32").
+  bool reduceInFloat = false;
+  // Overlap reductions with the rest of backward (true), or wait for each as it is launched.
+  bool overlap = true;
+  // With overlap: the most reductions in flight; launching one more first waits for the oldest.
+  int64_t maxInFlight = 2;
+  // Stage 3: told each time a bucket's reduce-scatter has started (its parameters can go).
+  std::function<void(size_t)> onLaunched;
+};
+
 class GradReducer {
  public:
-  GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage);
+  GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage, ReductionOptions options);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
@@ -47,15 +63,6 @@ class GradReducer {
 
   // Called from the autograd hook of parameter `param` of bucket `bucket`.
   void onGradReady(size_t bucket, size_t param);
-  // Stage 3: told each time a bucket's reduce-scatter has started (its parameters can go).
-  void setOnLaunched(std::function<void(size_t)> onLaunched) { onLaunched_ = std::move(onLaunched); }
-  // Divide gradients by the world size before summing them (fp16), instead of after.
-  void setPreDivide(bool preDivide) { preDivide_ = preDivide; }
-  // Reduce 16-bit gradients in float32 (zeroshard.reduce_dtype = "fp32").
-  void setReduceInFloat(bool reduceInFloat) { reduceInFloat_ = reduceInFloat; }
-  // Overlap reductions with the rest of backward (true), or wait for each as it is launched.
-  void setOverlap(bool overlap) { overlap_ = overlap; }
-
   // Bytes of full-size buffers that exist only for a reduction (stages 2 and 3: the staging
   // buffers; stages 0 and 1 with fp32 reduction of 16-bit gradients: the fp32 copy), the most
   // alive at once since resetPeak().
@@ -73,6 +80,7 @@ class GradReducer {
   // Waits for one reduction, runs its completion and releases what it held.
   void retire(InFlight& f);
   void retireCompleted();
+  void retireOldest();
   void retireAll();
   void countStaging(int64_t bytes);
   void registerHooks();
@@ -88,10 +96,7 @@ class GradReducer {
   std::vector<char> launched_;
   std::vector<char> shardHasData_;
   std::vector<InFlight> inFlight_;
-  std::function<void(size_t)> onLaunched_;
-  bool preDivide_ = false;
-  bool reduceInFloat_ = false;
-  bool overlap_ = true;
+  ReductionOptions options_;
   int64_t liveStagingBytes_ = 0;
   int64_t peakStagingBytes_ = 0;
   struct HookHandle;

@@ -8,7 +8,7 @@ import contextlib
 import io
 import os
 import socket
-import warnings
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C, stage3
+from zeroshard._warnings import warn_at_caller
 
 _GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps"}
 
@@ -46,6 +47,9 @@ def init_distributed(timeout_seconds=600.0):
     if dist.is_initialized():
         return dist.group.WORLD
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        print("zeroshard: no torchrun variables (RANK, WORLD_SIZE): running as a single rank, so nothing "
+              "is sharded; launch with `torchrun --nproc-per-node N` to shard over N ranks",
+              file=sys.stderr, flush=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = "gloo"
@@ -59,9 +63,9 @@ def init_distributed(timeout_seconds=600.0):
             torch.cuda.set_device(local_rank)
             backend = "cpu:gloo,cuda:nccl"
         else:
-            warnings.warn(f"zeroshard: {local_world} ranks on this machine but {torch.cuda.device_count()} "
-                          "visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
-                          "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.", stacklevel=2)
+            warn_at_caller(f"zeroshard: {local_world} ranks on this machine but {torch.cuda.device_count()} "
+                           "visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
+                           "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
     return dist.group.WORLD
 
@@ -132,14 +136,34 @@ class Engine:
         finally:
             self._core.reshard_parameters()
 
-    def full_state_dict(self, rank0_only=False):
+    def full_state_dict(self, rank0_only=False, dtype=None):
         """The model's state dict with full tensors and the original names, on CPU.
 
-        Every rank takes part; with rank0_only=True the other ranks get an empty dict."""
-        with self.gathered_parameters():
-            if rank0_only and self._core.rank != 0:
-                return {}
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        Every rank takes part; with rank0_only=True the other ranks get an empty dict.
+        dtype=None: the trained parameters as the model holds them (16-bit with bf16/fp16).
+        dtype=torch.float32: the fp32 master weights the optimizer keeps, gathered, not the
+        16-bit copy; another dtype: those cast to it. Buffers and frozen parameters keep theirs."""
+        if dtype is None:
+            with self.gathered_parameters():
+                if rank0_only and self._core.rank != 0:
+                    return {}
+                return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        master = dict(self._core.master_weights())
+        if rank0_only and self._core.rank != 0:
+            return {}
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            name = self._trained.get(id(value))
+            out[key] = master[name].to(dtype) if name is not None else value.detach().to("cpu", copy=True)
+        return out
+
+    def stage3_units(self):
+        """The units stage 3 built (empty below stage 3), in order, the root unit last: each a
+        dict with its name, numel (elements gathered and released with it), params, and
+        persistent: its parameters of at most stage3_param_persistence_threshold elements, which
+        stay gathered for the whole run (a full copy on every rank plus their optimizer shard),
+        with persistent_numel their elements."""
+        return self._core.stage3_units()
 
     def memory_stats(self):
         """Bytes of parameters, gradients and optimizer state this rank holds between steps

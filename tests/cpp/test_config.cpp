@@ -77,7 +77,6 @@ TEST_CASE("an empty object gives DeepSpeed's defaults and no warnings") {
   CHECK(c.zero.reduceBucketSize == 500000000);
   CHECK(c.zero.allgatherBucketSize == 500000000);
   CHECK(!c.zero.overlapComm.has_value());
-  CHECK(c.zero.contiguousGradients);
   CHECK(c.zero.stage3PrefetchBucketSize == 50000000);
   CHECK(c.zero.stage3ParamPersistenceThreshold == 100000);
   CHECK(c.zero.stage3MaxLiveParameters == 1000000000);
@@ -244,6 +243,22 @@ TEST_CASE("known DeepSpeed keys zeroshard ignores are warnings naming their path
   CHECK(c.zero.stage == 3);
   const Config bf16 = Config::fromJsonString(R"({"bf16": {"enabled": true, "immediate_grad_update": true}})");
   CHECK(hasWarningFor(bf16, "bf16.immediate_grad_update"));
+}
+
+TEST_CASE("contiguous_gradients true is what zeroshard does and false is a warning") {
+  CHECK(Config::fromJsonString(R"({"zero_optimization": {"contiguous_gradients": true}})").warnings.empty());
+  const Config c = Config::fromJsonString(R"({"zero_optimization": {"contiguous_gradients": false}})");
+  REQUIRE(c.warnings.size() == 1);
+  REQUIRE(missing(c.warnings[0], "\"zero_optimization.contiguous_gradients\": false is ignored") == "");
+  REQUIRE(missing(errorOf(R"({"zero_optimization": {"contiguous_gradients": 0}})"),
+                  "zero_optimization.contiguous_gradients") == "");
+}
+
+TEST_CASE("zeroshard.max_inflight_reductions is a positive count that defaults to 2") {
+  CHECK(Config::fromJsonString("{}").extras.maxInflightReductions == 2);
+  CHECK(Config::fromJsonString(R"({"zeroshard": {"max_inflight_reductions": 1}})").extras.maxInflightReductions == 1);
+  REQUIRE(missing(errorOf(R"({"zeroshard": {"max_inflight_reductions": 0}})"),
+                  "zeroshard.max_inflight_reductions") == "");
 }
 
 TEST_CASE("objects must be objects, and the type found is named") {
@@ -497,9 +512,10 @@ TEST_CASE("toJsonString round-trips every field exactly") {
              "hysteresis": 5, "min_loss_scale": 0.25},
     "optimizer": {"type": "adam", "params": {"lr": 0.1234567890123, "betas": [0.8, 0.98765], "eps": 1e-12, "weight_decay": 0}},
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 123, "allgather_bucket_size": 456,
-                          "contiguous_gradients": false, "stage3_prefetch_bucket_size": 0,
+                          "contiguous_gradients": true, "stage3_prefetch_bucket_size": 0,
                           "stage3_param_persistence_threshold": 9, "stage3_max_live_parameters": 10},
     "zeroshard": {"collective_timeout_seconds": 12.5, "reshard_after_forward": false, "reduce_dtype": "fp32",
+                  "max_inflight_reductions": 5,
                   "stage3_unit_classes": ["Block", "DecoderLayer"]},
     "steps_per_print": 1
   })");
@@ -531,7 +547,7 @@ TEST_CASE("toJsonString round-trips every field exactly") {
   CHECK(back.zero.reduceBucketSize == original.zero.reduceBucketSize);
   CHECK(back.zero.allgatherBucketSize == original.zero.allgatherBucketSize);
   CHECK(back.zero.overlapCommResolved() == original.zero.overlapCommResolved());
-  CHECK(back.zero.contiguousGradients == original.zero.contiguousGradients);
+  CHECK(back.extras.maxInflightReductions == original.extras.maxInflightReductions);
   CHECK(back.zero.stage3PrefetchBucketSize == original.zero.stage3PrefetchBucketSize);
   CHECK(back.zero.stage3ParamPersistenceThreshold == original.zero.stage3ParamPersistenceThreshold);
   CHECK(back.zero.stage3MaxLiveParameters == original.zero.stage3MaxLiveParameters);

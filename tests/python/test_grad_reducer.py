@@ -1,7 +1,7 @@
 """Gradient reduction and zero_optimization.overlap_comm (csrc/zeroshard/grad_reducer.*).
 
 With overlap_comm on, a bucket's reduction runs while backward goes on and its staging buffer
-lives until the reduction is retired; off (DeepSpeed's default below stage 3), each reduction is
+lives until the reduction is retired, with at most zeroshard.max_inflight_reductions in flight; off (DeepSpeed's default below stage 3), each reduction is
 waited for as soon as it starts, so at stages 2 and 3 one bucket's staging buffer is the most
 that exists at once. Either way the numbers are those of single-process AdamW, and the same.
 """
@@ -73,11 +73,14 @@ class LinearStack(torch.nn.Module):
         return x
 
 
-def _train_stack(rank, world_size, stage, overlap, bf16):
+def _train_stack(rank, world_size, stage, overlap, bf16, cap=None):
     import zeroshard
 
     model = LinearStack()
-    config = _config(stage, overlap, bucket=DIM * DIM, extras={"reduce_dtype": "fp32"} if bf16 else None)
+    extras = {"reduce_dtype": "fp32"} if bf16 else {}
+    if cap is not None:
+        extras["max_inflight_reductions"] = cap
+    config = _config(stage, overlap, bucket=DIM * DIM, extras=extras)
     if bf16:
         config["bf16"] = {"enabled": True}
     engine = zeroshard.initialize(model, config)
@@ -94,22 +97,38 @@ def _train_stack(rank, world_size, stage, overlap, bf16):
     return peaks, calls, {k: v.float() for k, v in engine.full_state_dict().items()}
 
 
+# (overlap_comm, zeroshard.max_inflight_reductions); None: the default cap, 2.
+STAGING_VARIANTS = [(False, None), (True, 1), (True, None), (True, 3)]
+
+
+def _staging_variants(rank, world_size, stage):
+    return [_train_stack(rank, world_size, stage, overlap, False, cap) for overlap, cap in STAGING_VARIANTS]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_overlap_comm_bounds_staging_and_changes_no_number(stage):
-    """fp32, 2 ranks: overlap off holds one layer's staging buffer at a time (its 16 KB,
-    exactly), on holds the previous layer's until the next one launches (at least two); the
-    trained weights are bitwise the same."""
+def test_staging_is_bounded_by_the_reductions_in_flight(stage):
+    """fp32, 2 ranks, four equal one-layer buckets (units). overlap_comm off holds one layer's
+    staging buffer at a time (its 16 KB, exactly). On, at most max_inflight_reductions
+    reductions hold theirs while the next bucket fills its own: (cap + 1) layers at most, on
+    Gloo too, whose reduce-scatter never reports completion before wait() (so without the cap
+    every layer's buffer lived until backward ended). At least two: the previous layer's
+    reduction is still held when the next one starts filling. The weights are bitwise the same."""
     layer_bytes = DIM * DIM * 4
-    off = run_ranks(_train_stack, 2, stage, False, False)
-    on = run_ranks(_train_stack, 2, stage, True, False)
+    results = run_ranks(_staging_variants, 2, stage)
     for rank in range(2):
-        peaks_off, calls_off, state_off = off[rank]
-        peaks_on, calls_on, state_on = on[rank]
-        assert calls_off == calls_on == LAYERS * GAS, "one bucket (unit) per layer, reduced every micro-batch"
-        assert peaks_off == [layer_bytes, layer_bytes], peaks_off
-        assert all(p >= 2 * layer_bytes for p in peaks_on), peaks_on
-        for name in state_off:
-            assert torch.equal(state_off[name], state_on[name]), f"rank {rank}, {name}"
+        _, _, reference = results[rank][0]
+        for (overlap, cap), (peaks, calls, state) in zip(STAGING_VARIANTS, results[rank]):
+            what = f"rank {rank}, overlap {overlap}, cap {cap}"
+            assert calls == LAYERS * GAS, f"{what}: one bucket (unit) per layer, reduced every micro-batch"
+            if not overlap:
+                assert peaks == [layer_bytes, layer_bytes], f"{what}: {peaks}"
+            else:
+                bound = ((cap or 2) + 1) * layer_bytes
+                assert all(2 * layer_bytes <= p <= bound for p in peaks), f"{what}: {peaks}, bound {bound}"
+                if cap == 1:
+                    assert peaks == [2 * layer_bytes] * 2, f"{what}: {peaks}"
+            for name in reference:
+                assert torch.equal(state[name], reference[name]), f"{what}, {name}"
 
 
 def test_overlap_comm_off_counts_the_fp32_copy_of_bf16_gradients():

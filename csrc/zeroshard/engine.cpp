@@ -129,17 +129,29 @@ void Engine::registerShards() {
         b.allocateGradShard(gradShardDtype());
         whole(b.gradShard());
         break;
-      default:
-        // A unit may mix param groups: each piece of a parameter in this rank's shard is
-        // registered with its own group (padding gets no optimizer state).
+      default: {
+        // Note [one optimizer slot per run]: a unit may mix param groups, so each run of
+        // consecutive parameter pieces of one group in this rank's shard is one optimizer slot,
+        // the last run reaching the shard's end. A unit of one group is then one slot over the
+        // whole shard, as a stage-2 bucket is: the fused AdamW kernel takes every element
+        // through its vector loop at both stages (a shard is a multiple of 16 elements), where a
+        // slot per parameter would send each one's last elements through the scalar tail, which
+        // rounds differently.
         b.allocateGradShard(gradShardDtype());
-        for (const auto& piece : b.layout().piecesInShard(rank())) {
-          const int64_t length = piece.paramEnd - piece.paramBegin;
-          const int group = b.paramGroupOf(piece.param);
-          const size_t index = optimizer_.addShard(group, b.master().narrow(0, piece.shardOffset, length),
-                                                   b.gradShard().narrow(0, piece.shardOffset, length));
-          slots.push_back({group, index, piece.shardOffset, length});
+        const auto pieces = b.layout().piecesInShard(rank());
+        for (size_t i = 0; i < pieces.size();) {
+          const int group = b.paramGroupOf(pieces[i].param);
+          size_t next = i + 1;
+          while (next < pieces.size() && b.paramGroupOf(pieces[next].param) == group) ++next;
+          const int64_t begin = pieces[i].shardOffset;
+          const int64_t end = next == pieces.size() ? b.layout().shardNumel()
+                                                    : pieces[next].shardOffset;
+          const size_t index = optimizer_.addShard(group, b.master().narrow(0, begin, end - begin),
+                                                   b.gradShard().narrow(0, begin, end - begin));
+          slots.push_back({group, index, begin, end - begin});
+          i = next;
         }
+      }
     }
   }
 }

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "zeroshard/config.h"
+#include "zeroshard/config_keys.h"
 
 namespace py = pybind11;
 
@@ -98,6 +99,18 @@ void bindConfig(py::module_& m) {
       .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype)
       .def_readonly("checkpoint_keep_last", &ZeroshardExtras::checkpointKeepLast)
       .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
+
+  m.def(
+      "_config_keys",
+      []() {
+        py::list keys;
+        for (const auto& section : detail::configSections()) {
+          for (auto key : section.readKeys) keys.append(py::make_tuple(section.path, key, "read"));
+          for (auto key : section.ignoredKeys) keys.append(py::make_tuple(section.path, key, "ignored"));
+        }
+        return keys;
+      },
+      "(section path, key, \"read\" or \"ignored\") for every key the config reader accepts.");
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",

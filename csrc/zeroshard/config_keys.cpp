@@ -85,6 +85,8 @@ std::string quoted(std::string_view s) {
 bool ConfigSection::reads(std::string_view key) const { return contains(readKeys, key); }
 bool ConfigSection::ignores(std::string_view key) const { return contains(ignoredKeys, key); }
 
+const std::vector<ConfigSection>& configSections() { return allSections(); }
+
 const ConfigSection& configSection(std::string_view path) {
   for (const ConfigSection& section : allSections()) {
     if (section.path == path) return section;

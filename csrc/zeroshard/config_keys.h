@@ -22,6 +22,9 @@ struct ConfigSection {
 
 // The section at `path`; `path` must be one of the sections the reader descends into.
 const ConfigSection& configSection(std::string_view path);
+// Every section the reader descends into (tests/python/test_config.py holds each key to an
+// effect or a warning).
+const std::vector<ConfigSection>& configSections();
 
 // Optimal string alignment distance: Levenshtein plus adjacent transpositions, so "stgae" is one
 // edit from "stage", as a person counts it.

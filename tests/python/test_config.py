@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from spawn import run_ranks
+
 import zeroshard
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -96,3 +98,148 @@ def test_to_dict_round_trips_and_pickles():
     assert copy.to_json() == cfg.to_json()
     assert copy.source == cfg.source
     assert copy.warnings == cfg.warnings
+
+
+# Every key the reader accepts (zeroshard._C._config_keys()) and how it takes effect:
+#   ("field", token, value): setting `value` changes the parsed config, and `token` (the field
+#       it fills) is read by the engine: it appears in csrc/zeroshard/ outside the config
+#       layer, or in python/zeroshard/;
+#   ("refuses", value): only the value zeroshard implements is accepted (others are errors);
+#   ("warns", value): that value is ignored with a warning;
+#   ("section", None): an object whose keys are listed themselves.
+KEY_EFFECTS = {
+    "train_batch_size": ("field", r"batchSizes\(", 8),
+    "train_micro_batch_size_per_gpu": ("field", r"batchSizes\(", 4),
+    "gradient_accumulation_steps": ("field", r"batchSizes\(", 2),
+    "gradient_clipping": ("field", r"gradientClipping", 1.0),
+    "fp16": ("section", None, None),
+    "bf16": ("section", None, None),
+    "bfloat16": ("section", None, None),
+    "optimizer": ("section", None, None),
+    "zero_optimization": ("section", None, None),
+    "zeroshard": ("section", None, None),
+    "fp16.enabled": ("field", r"fp16\.enabled", True),
+    "fp16.loss_scale": ("field", r"config\.lossScale", 128.0),
+    "fp16.initial_scale_power": ("field", r"config\.initialScalePower", 8),
+    "fp16.loss_scale_window": ("field", r"config\.lossScaleWindow", 10),
+    "fp16.hysteresis": ("field", r"config\.hysteresis", 3),
+    "fp16.min_loss_scale": ("field", r"config\.minLossScale", 2.0),
+    "bf16.enabled": ("field", r"bf16\.enabled", True),
+    "optimizer.type": ("refuses", "SGD"),
+    "optimizer.params": ("section", None, None),
+    "optimizer.params.lr": ("field", r"o\.lr\b", 0.5),
+    "optimizer.params.betas": ("field", r"o\.beta1\b.*o\.beta2\b", [0.5, 0.6]),
+    "optimizer.params.eps": ("field", r"o\.eps\b", 1e-3),
+    "optimizer.params.weight_decay": ("field", r"o\.weightDecay\b", 0.5),
+    "optimizer.params.adam_w_mode": ("refuses", False),
+    "optimizer.params.amsgrad": ("refuses", True),
+    "optimizer.params.bias_correction": ("refuses", False),
+    "zero_optimization.stage": ("field", r"config_\.zero\.stage\b", 2),
+    "zero_optimization.reduce_bucket_size": ("field", r"zero\.reduceBucketSize", 7),
+    "zero_optimization.allgather_bucket_size": ("field", r"zero\.allgatherBucketSize", 7),
+    "zero_optimization.overlap_comm": ("field", r"zero\.overlapCommResolved\(\)", True),
+    "zero_optimization.contiguous_gradients": ("warns", False),
+    "zero_optimization.stage3_prefetch_bucket_size": ("field", r"zero\.stage3PrefetchBucketSize", 7),
+    "zero_optimization.prefetch_bucket_size": ("field", r"zero\.stage3PrefetchBucketSize", 7),
+    "zero_optimization.stage3_param_persistence_threshold": ("field", r"zero\.stage3ParamPersistenceThreshold", 7),
+    "zero_optimization.param_persistence_threshold": ("field", r"zero\.stage3ParamPersistenceThreshold", 7),
+    "zero_optimization.stage3_max_live_parameters": ("field", r"zero\.stage3MaxLiveParameters", 7),
+    "zero_optimization.max_live_parameters": ("field", r"zero\.stage3MaxLiveParameters", 7),
+    "zeroshard.collective_timeout_seconds": ("field", r"extras\.collectiveTimeoutSeconds", 5.0),
+    "zeroshard.reshard_after_forward": ("field", r"extras\.reshardAfterForward", False),
+    "zeroshard.stage3_unit_classes": ("field", r"zeroshard\.stage3_unit_classes", ["Block"]),
+    "zeroshard.reduce_dtype": ("field", r"extras\.reduceDtype", "fp32"),
+    "zeroshard.max_inflight_reductions": ("field", r"extras\.maxInflightReductions", 5),
+    "zeroshard.checkpoint": ("section", None, None),
+    "zeroshard.checkpoint.keep_last": ("field", r"extras\.checkpointKeepLast", 5),
+}
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine_sources():
+    """The code that runs training: the C++ core outside its config layer, and the Python
+    package; a key's field must be read there to take effect."""
+    core = [p for p in (ROOT / "csrc" / "zeroshard").glob("*.*") if not p.name.startswith("config")]
+    return "\n".join(p.read_text() for p in core + sorted((ROOT / "python" / "zeroshard").glob("*.py")))
+
+
+def _nested(path, value):
+    out = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
+
+
+def test_every_accepted_key_takes_effect_or_warns():
+    """A key the reader accepts is either read into a field the engine uses (and a non-default
+    value changes the parsed config), accepted only at the value zeroshard implements, or a
+    warning naming it; never parsed and dropped. Adding a key to the reader without wiring it
+    fails here until it has an entry in KEY_EFFECTS that holds."""
+    import re
+    import warnings
+
+    sources = _engine_sources()
+    default = zeroshard.Config.from_dict({}).to_dict()
+    accepted = zeroshard._C._config_keys()
+    assert accepted, "the reader lists its keys"
+    for section, key, kind in accepted:
+        path = f"{section}.{key}" if section else key
+        if kind == "ignored":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg = zeroshard.Config.from_dict(_nested(path, 1))
+            assert any(f'"{path}"' in w for w in cfg.warnings), f"{path}: ignored without a warning"
+            assert any(f'"{path}"' in str(w.message) for w in caught), f"{path}: no Python warning"
+            continue
+        assert path in KEY_EFFECTS, f"{path} is accepted but neither used by the engine nor listed as ignored"
+        effect, *rest = KEY_EFFECTS[path]
+        if effect == "section":
+            assert kind == "read"
+        elif effect == "refuses":
+            with pytest.raises(ValueError, match=re.escape(path)):
+                zeroshard.Config.from_dict(_nested(path, rest[0]))
+        elif effect == "warns":
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                cfg = zeroshard.Config.from_dict(_nested(path, rest[0]))
+            assert any(f'"{path}"' in w for w in cfg.warnings), f"{path}={rest[0]} is dropped without a warning"
+        else:
+            token, value = rest
+            assert zeroshard.Config.from_dict(_nested(path, value)).to_dict() != default, \
+                f"{path}={value!r} does not change the parsed config"
+            assert re.search(token, sources), f"{path}: its field ({token}) is read nowhere outside the config layer"
+    listed = {f"{s}.{k}" if s else k for s, k, kind in accepted if kind == "read"}
+    assert listed == set(KEY_EFFECTS), f"KEY_EFFECTS lists keys the reader no longer accepts: {set(KEY_EFFECTS) - listed}"
+
+
+def _user_line():
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
+
+
+def test_warnings_point_at_the_users_line():
+    """A warning about the user's config names the user's file and line, whether the config is
+    read directly or through zeroshard.initialize, not a line inside zeroshard."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _user_line(); zeroshard.Config.from_dict({"steps_per_print": 1})  # noqa: E702
+    assert [(Path(w.filename).name, w.lineno) for w in caught] == [("test_config.py", line)]
+    (filename, lineno), expected = run_ranks(_initialize_warning, 1)[0]
+    assert (Path(filename).name, lineno) == ("test_config.py", expected)
+
+
+def _initialize_warning(rank, world_size):
+    import warnings
+
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _user_line(); zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1})  # noqa: E702
+    [w] = [w for w in caught if "steps_per_print" in str(w.message)]
+    return (w.filename, w.lineno), line

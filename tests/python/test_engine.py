@@ -74,6 +74,44 @@ def test_memory_and_traffic_follow_the_stage_formulas(world_size):
     check(2, gas=2)
 
 
+def _gather_buckets(rank, world_size):
+    import zeroshard
+
+    results = {}
+    for stage in (1, 2):
+        for limit in (None, 1000, 10**9):
+            model = make_model()
+            config = _config(stage)
+            if limit is not None:
+                config["zero_optimization"]["allgather_bucket_size"] = limit
+            engine = zeroshard.initialize(model, config)
+            for step in range(2):
+                tokens = global_batch(step, 2 * world_size)
+                engine.backward(model.loss(tokens[rank * 2:(rank + 1) * 2]))
+                engine.step()
+            results[stage, limit] = (engine.comm_stats()["all_gather"], engine.full_state_dict())
+    numel = sum(p.numel() for p in make_model().parameters())
+    return numel, results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_allgather_bucket_size_bounds_each_parameter_gather(world_size):
+    """Stages 1 and 2 all-gather the updated parameters in calls of at most
+    allgather_bucket_size elements: the one bucket of the model (padded to P elements) takes
+    ceil(S / (limit // N)) calls for a shard of S = P / N, moving P x 4 bytes in all as one call
+    would; the weights are bitwise those of one call per bucket."""
+    numel, results = run_ranks(_gather_buckets, world_size)[0]
+    padded = -(-numel // (ALIGN * world_size)) * ALIGN * world_size
+    shard = padded // world_size
+    for stage in (1, 2):
+        _, reference = results[stage, None]
+        for limit, calls in ((None, 1), (10**9, 1), (1000, -(-shard // (1000 // world_size)))):
+            gathers, state = results[stage, limit]
+            assert gathers == {"calls": calls, "bytes": 4 * padded}, f"stage {stage}, limit {limit}"
+            for name, value in reference.items():
+                assert torch.equal(state[name], value), f"stage {stage}, limit {limit}, {name}"
+
+
 def _errors(rank, world_size):
     import zeroshard
 
@@ -127,3 +165,28 @@ def test_config_argument_accepts_a_shipped_file():
 
     path = Path(__file__).resolve().parents[2] / "configs" / "zero2.json"
     assert run_ranks(_from_file, 1, str(path)) == [2]
+
+
+def test_plain_python_says_once_that_it_runs_as_one_rank():
+    """Started without torchrun (no RANK or WORLD_SIZE), initialize() trains as one rank and
+    says so on one line of stderr, naming how to shard."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, zeroshard\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "engine = zeroshard.initialize(model, {'train_micro_batch_size_per_gpu': 1, "
+        "'zero_optimization': {'stage': 2}})\n"
+        "engine.backward(model(torch.ones(1, 4)).sum()); engine.step()\n"
+        "print(engine.world_size)\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+    lines = [line for line in done.stderr.splitlines() if "zeroshard" in line]
+    assert len(lines) == 1 and "single rank" in lines[0] and "nothing is sharded" in lines[0], done.stderr
+    assert "torchrun --nproc-per-node" in lines[0]

@@ -234,3 +234,41 @@ def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched():
     results = _check_against_reference(world_size, {}, _config(stage3_prefetch_bucket_size=1))
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] > 4 * (pad(root) + max(pad(b) for b in blocks))
+
+
+def _units(rank, world_size, threshold):
+    import zeroshard
+
+    model = Variant(tie=True)
+    engine = zeroshard.initialize(model, _config(stage3_param_persistence_threshold=threshold))
+    below = zeroshard.initialize(Variant(), {**_config(), "zero_optimization": {"stage": 2}})
+    return engine.stage3_units(), below.stage3_units(), engine.memory_stats()
+
+
+def test_stage3_units_lists_each_unit_with_its_persistent_parameters():
+    """engine.stage3_units(): the blocks in order, then the root (everything else, the tied
+    head/embedding included), each with the elements it gathers and releases and the parameters
+    of at most stage3_param_persistence_threshold elements that stay gathered instead; the
+    persistent ones cost a full copy on every rank (params at 2 ranks: the shards of the
+    released units plus the whole persistent unit)."""
+    threshold = 40
+    units, below, mem = run_ranks(_units, 2, threshold)[0]
+    model = Variant(tie=True)
+    expected = []
+    for name, module in [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)] + [("<root>", None)]:
+        if module is None:
+            in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+            params = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+        else:
+            params = [(f"{name}.{n}", p) for n, p in module.named_parameters()]
+        kept = [(n, p) for n, p in params if p.numel() <= threshold]
+        released = [(n, p) for n, p in params if p.numel() > threshold]
+        expected.append({"name": name, "numel": sum(p.numel() for _, p in released),
+                         "params": [n for n, _ in released], "persistent": [n for n, _ in kept],
+                         "persistent_numel": sum(p.numel() for _, p in kept), "root": module is None})
+    assert units == expected
+    assert all(u["persistent"] for u in units), "the threshold keeps norms and biases of every unit"
+    assert below == [], "below stage 3 there are no units"
+    pad = lambda n: -(-n // (ALIGN * 2)) * ALIGN * 2  # noqa: E731
+    persistent = pad(sum(u["persistent_numel"] for u in units))
+    assert mem["params"] == 4 * (sum(pad(u["numel"]) for u in units) // 2 + persistent // 2 + persistent)

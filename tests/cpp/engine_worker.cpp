@@ -262,6 +262,29 @@ void checkpointResume(const std::string& dir) {
   std::cout << "rank " << rank << ": resumed run matches the uninterrupted one\n";
 }
 
+// Stage 3 from C++: the units named at construction, then the root, each with what it gathers
+// and the parameters at or below stage3_param_persistence_threshold that stay gathered instead.
+void stage3Units() {
+  auto model = makeModel();
+  zeroshard::Engine engine(*model, zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60)),
+                           zeroshard::Config::fromJsonString(R"({
+    "train_micro_batch_size_per_gpu": 4,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16},
+    "zeroshard": {"collective_timeout_seconds": 30}
+  })"), {"0", "2"});
+  TORCH_CHECK((engine.unitNames() == std::vector<std::string>{"0", "2", "<root>"}), "unit names: ",
+              c10::Join(", ", engine.unitNames()));
+  const auto& units = engine.stage3Units();
+  TORCH_CHECK(units[0].params == std::vector<std::string>{"0.weight"} && units[0].numel == 128 &&
+                  units[0].persistent == std::vector<std::string>{"0.bias"} && units[0].persistentNumel == 16,
+              "unit 0: ", c10::Join(", ", units[0].params), " | ", c10::Join(", ", units[0].persistent));
+  TORCH_CHECK(units[1].params == std::vector<std::string>{"2.weight"} && units[1].numel == 48 &&
+                  units[1].persistent == std::vector<std::string>{"2.bias"} && units[1].persistentNumel == 3,
+              "unit 2: ", c10::Join(", ", units[1].params), " | ", c10::Join(", ", units[1].persistent));
+  TORCH_CHECK(units[2].root && units[2].params.empty() && units[2].numel == 0, "the root holds nothing here");
+  std::cout << "rank " << engine.rank() << ": stage 3 units as built\n";
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -271,10 +294,11 @@ int main(int argc, char** argv) {
       {"step_before_backward", stepBeforeBackward},
       {"batch_size_mismatch", batchSizeMismatch},
       {"checkpoint_resume", [&] { checkpointResume(argc > 2 ? argv[2] : ""); }},
+      {"stage3_units", stage3Units},
   };
   if (argc < 2 || argc > 3 || !scenarios.count(argv[1])) {
     std::cerr << "usage: zeroshard_engine_worker stage2_parity|stage2_accounting|step_before_backward|"
-                 "batch_size_mismatch|checkpoint_resume DIR\n";
+                 "batch_size_mismatch|checkpoint_resume DIR|stage3_units\n";
     return 2;
   }
   try {

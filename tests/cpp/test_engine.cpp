@@ -39,6 +39,11 @@ TEST_CASE("stage 2 at 2 ranks holds the fp32 memory formula and moves 2x the pad
   runScenario("stage2_accounting", 2);
 }
 
+TEST_CASE("Engine::stage3Units lists the named units and the root with their persistent parameters", "[engine]") {
+  auto outcomes = runScenario("stage3_units", 2);
+  CHECK(outcomes[0].output.find("stage 3 units as built") != std::string::npos);
+}
+
 TEST_CASE("engine.step() before any backward is an error that says to call backward", "[engine]") {
   auto outcomes = runScenario("step_before_backward", 2);
   for (const auto& o : outcomes) CHECK(o.output.find("expected error") != std::string::npos);

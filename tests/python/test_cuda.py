@@ -153,3 +153,24 @@ def test_step_makes_no_host_synchronisation(group, stage, bf16):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.global_steps == 3
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_staging_on_cuda_is_bounded_by_the_reductions_in_flight(group, stage, cap):
+    """With overlap_comm on, the stream-ordered waits keep the bound of the CPU path: at most
+    max_inflight_reductions staging buffers in flight plus the one being filled
+    (test_grad_reducer.py holds the same on Gloo). Four equal one-layer buckets (units)."""
+    import zeroshard
+
+    model = _Mlp().cuda()
+    config = _config(stage)
+    config["zero_optimization"].update(reduce_bucket_size=64 * 64 + 64, overlap_comm=True)
+    config["zeroshard"]["max_inflight_reductions"] = cap
+    engine = zeroshard.initialize(model, config, process_group=group)
+    for _ in range(2):
+        engine.backward(model(torch.randn(MICRO, 64, device="cuda")))
+        engine.step()
+    layer_bytes = 4 * (64 * 64 + 64)  # a multiple of 16 elements: no padding at one rank
+    peak = engine.memory_stats()["staging_peak"]
+    assert 2 * layer_bytes <= peak <= (cap + 1) * layer_bytes, (peak, layer_bytes)

@@ -185,22 +185,21 @@ void GradReducer::launch(size_t bucket) {
     mean = 1.0;
   }
   const bool widen = options_.reduceInFloat && b.flatParams().scalar_type() != at::kFloat;
-  if (stage_ == 0 && widen) {
-    // Sum in fp32, then round the result into the 16-bit gradients once.
+  if (stage_ < 2 && widen) {
+    // Sum in fp32. Stage 0 rounds the result into its 16-bit gradients once; stage 1
+    // reduce-scatters into the fp32 gradient shard the optimizer reads, unrounded, as stages 2
+    // and 3 do (so stages 1-3 give bitwise the same weights).
     auto wide = b.flatGrads().to(at::kFloat);
     const auto wideBytes = static_cast<int64_t>(wide.nbytes());
     countStaging(wideBytes);
-    const at::Tensor& target = b.flatGrads();
-    inFlight_.push_back({comm_.allReduce(wide, mean), [target, wide]() mutable { target.copy_(wide); }, wideBytes});
-  } else if (stage_ == 1 && widen) {
-    // The fp32 sums land in the fp32 gradient shard the optimizer reads, unrounded, as at
-    // stages 2 and 3 (so stages 1-3 give bitwise the same weights).
-    auto wide = b.flatGrads().to(at::kFloat);
-    const auto wideBytes = static_cast<int64_t>(wide.nbytes());
-    countStaging(wideBytes);
-    TORCH_CHECK(b.gradShard().defined() && b.gradShard().scalar_type() == at::kFloat,
-                "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
-    inFlight_.push_back({comm_.reduceScatter(wide, b.gradShard(), mean), [wide]() {}, wideBytes});
+    if (stage_ == 0) {
+      const at::Tensor& target = b.flatGrads();
+      inFlight_.push_back({comm_.allReduce(wide, mean), [target, wide]() mutable { target.copy_(wide); }, wideBytes});
+    } else {
+      TORCH_CHECK(b.gradShard().defined() && b.gradShard().scalar_type() == at::kFloat,
+                  "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
+      inFlight_.push_back({comm_.reduceScatter(wide, b.gradShard(), mean), [wide]() {}, wideBytes});
+    }
   } else if (stage_ == 0) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
   } else if (stage_ == 1) {

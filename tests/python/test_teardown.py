@@ -88,39 +88,46 @@ def _teardown_loop(rank, world_size, log_dir, holder_first, iterations):
     # One store for every iteration's group, kept by this function: run_ranks' group (and its
     # store) goes, so that each iteration's group is held only by torch.distributed and the holder.
     store_timeout = timedelta(seconds=ITERATION_LIMIT + 10)
-    store = port = None
+    store = None
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=store_timeout,
                               wait_for_workers=False)
-        port = store.port
-    port = [port]
+    port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     if rank != 0:
         store = dist.TCPStore("127.0.0.1", port[0], world_size, is_master=False, timeout=store_timeout)
     dist.destroy_process_group()
 
     with open(f"{log_dir}/rank{rank}.log", "w") as log:
+
+        def note(line):  # what the rank was doing, above its stacks if it hangs
+            log.write(line + "\n")
+            log.flush()
+
         for i in range(iterations):
             holder = HOLDERS[(i // len(BARRIERS)) % len(HOLDERS)]
             barrier = BARRIERS[i % len(BARRIERS)]
-            log.write(f"iteration {i}: {holder}, {barrier}, dropped "
-                      f"{'before' if holder_first else 'after'} destroy_process_group()\n")
-            log.flush()
-            # A hung rank writes every thread's stack after the log line and exits.
+            note(f"iteration {i}: {holder}, {barrier}, dropped "
+                 f"{'before' if holder_first else 'after'} destroy_process_group()")
+            # A rank that hangs writes every thread's stack to its log and exits.
             faulthandler.dump_traceback_later(ITERATION_LIMIT, exit=True, file=log)
             dist.init_process_group("gloo", store=dist.PrefixStore(f"iteration{i}", store), rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=ITERATION_LIMIT + 10))
             obj, model = _make_holder(holder, rank, world_size)
             if holder_first:
+                note("  dropping the holder")
                 del obj, model
                 gc.collect()
+                note("  barrier, destroy_process_group()")
                 _barrier(barrier)
                 dist.destroy_process_group()
             else:
+                note("  barrier, destroy_process_group()")
                 _barrier(barrier)
                 dist.destroy_process_group()
                 assert dist.group.WORLD is None
-                del obj, model  # the last reference to the group: it is destroyed here
+                note("  dropping the holder, the group's last owner")
+                del obj, model
                 gc.collect()
             faulthandler.cancel_dump_traceback_later()
     faulthandler.dump_traceback_later(ITERATION_LIMIT, exit=True)  # for the way out
@@ -134,7 +141,8 @@ def _run(tmp_path, holder_first, iterations):
     except AssertionError as e:
         logs = [f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()}"
                 for r in range(WORLD_SIZE) if (tmp_path / f"rank{r}.log").exists()]
-        raise AssertionError("\n".join([str(e), *logs])) from None
+        # A rank that hangs dumps its stacks and exits: its peer may fail first, on a lost peer.
+        raise AssertionError("\n".join([str(e), "Each rank's log:", *logs])) from None
 
 
 @pytest.fixture(autouse=True)

@@ -245,43 +245,49 @@ def test_fp32_sums_give_bitwise_the_same_weights_at_stages_1_2_3(world_size):
         assert mem["grads"] == 2 * padded + 4 * padded // world_size
 
 
-def _state_dicts(rank, world_size, stage, bf16):
+def _state_dicts(rank, world_size, bf16):
     import zeroshard
 
-    model = make_model()
-    config = _config(stage)
-    if not bf16:
-        del config["bf16"]
-    engine = zeroshard.initialize(model, config)
-    for step in range(STEPS):
-        tokens = global_batch(step, MICRO * world_size)
-        engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
-        engine.step()
-    return (engine.full_state_dict(), engine.full_state_dict(dtype=torch.float32),
-            engine.full_state_dict(dtype=torch.float16, rank0_only=True), engine.comm_stats())
+    results = {}
+    for stage in (0, 1, 2, 3):
+        model = make_model()
+        config = _config(stage)
+        if not bf16:
+            del config["bf16"]
+        engine = zeroshard.initialize(model, config)
+        for step in range(STEPS):
+            tokens = global_batch(step, MICRO * world_size)
+            engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
+            engine.step()
+        step_traffic = engine.comm_stats()
+        results[stage] = (engine.full_state_dict(), engine.full_state_dict(dtype=torch.float32),
+                          engine.full_state_dict(dtype=torch.float16, rank0_only=True),
+                          engine.comm_stats() == step_traffic)
+    return results
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_full_state_dict_in_fp32_is_the_master_weights(stage):
+def test_full_state_dict_in_fp32_is_the_master_weights():
     """full_state_dict(dtype=torch.float32) gathers the fp32 master weights under the model's
-    names: with bf16 the bf16 parameters are exactly their rounding, yet they hold more than
-    bf16 does; in fp32 training they are the parameters. Other dtypes are casts of them, and
-    the gathers are not training traffic (comm_stats is the last step's)."""
-    bf16 = run_ranks(_state_dicts, 2, stage, True)
-    fp32 = run_ranks(_state_dicts, 2, stage, False)
-    for rank in range(2):
-        params, master, half, stats = bf16[rank]
-        assert params.keys() == master.keys()
-        assert half == {} if rank else half.keys() == master.keys()
-        finer = 0
-        for name, value in master.items():
-            assert value.dtype == torch.float32 and value.shape == params[name].shape, name
-            assert torch.equal(value.to(torch.bfloat16), params[name]), name
-            finer += int((value != params[name].float()).sum())
-            if rank == 0:
-                assert torch.equal(half[name], value.to(torch.float16)), name
-        assert finer > 0, "the fp32 state dict is only the bf16 one widened"
-        assert stats == bf16[1 - rank][3], "the last step's traffic is the same on both ranks"
-        params32, master32, _, _ = fp32[rank]
-        for name, value in params32.items():
-            assert torch.equal(master32[name], value), name
+    names, at every stage: with bf16 the bf16 parameters are exactly their rounding, yet they
+    hold more than bf16 does; in fp32 training they are the parameters. Other dtypes are casts
+    of them, and the gathers are not training traffic (comm_stats is the last step's)."""
+    bf16 = run_ranks(_state_dicts, 2, True)
+    fp32 = run_ranks(_state_dicts, 2, False)
+    for stage in (0, 1, 2, 3):
+        for rank in range(2):
+            params, master, half, uncounted = bf16[rank][stage]
+            what = f"stage {stage}, rank {rank}"
+            assert params.keys() == master.keys()
+            assert half == {} if rank else half.keys() == master.keys()
+            finer = 0
+            for name, value in master.items():
+                assert value.dtype == torch.float32 and value.shape == params[name].shape, f"{what}, {name}"
+                assert torch.equal(value.to(torch.bfloat16), params[name]), f"{what}, {name}"
+                finer += int((value != params[name].float()).sum())
+                if rank == 0:
+                    assert torch.equal(half[name], value.to(torch.float16)), f"{what}, {name}"
+            assert finer > 0, f"{what}: the fp32 state dict is only the bf16 one widened"
+            assert uncounted, f"{what}: the gathers were counted as the last step's traffic"
+            params32, master32, _, _ = fp32[rank][stage]
+            for name, value in params32.items():
+                assert torch.equal(master32[name], value), f"{what}, fp32, {name}"

@@ -3,6 +3,9 @@
 # (pip install --no-build-isolation -e ., one CMake build in ./build). Running it again only
 # rebuilds what changed.
 #
+#   bash scripts/setup.sh                  # everything: library, Python extension, Catch2 tests, C++ examples
+#   bash scripts/setup.sh --library-only   # the core library and the Python extension (scripts/train.sh)
+#
 # Python packages and the extension go into $PYTHON (default: the python3 on PATH), e.g.
 # PYTHON=.venv/bin/python for a virtual environment.
 set -euo pipefail
@@ -10,6 +13,11 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 
 PYTHON=${PYTHON:-python3}
+case "${1:---all}" in
+  --all) build_what="library, Python extension, Catch2 tests, C++ examples"; build_rest=ON ;;
+  --library-only) build_what="library and Python extension only"; build_rest=OFF ;;
+  *) echo "usage: bash scripts/setup.sh [--all | --library-only]" >&2; exit 2 ;;
+esac
 command -v "$PYTHON" >/dev/null || { echo "setup: no Python at PYTHON=$PYTHON" >&2; exit 1; }
 echo "setup: Python: $PYTHON ($("$PYTHON" -c 'import sys; print(sys.executable)'))"
 
@@ -56,7 +64,10 @@ fi
 export CCACHE_DIR=${CCACHE_DIR:-${HOME:-/root}/.cache/ccache}
 # Paths under the checkout hash as relative ones, so every clone shares the cache.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
-echo "setup: building zeroshard in ./build, installing it in place"
+# Both options every time: ./build keeps its cache between runs, and train.sh and test.sh
+# share it, so each run states what it wants. The caller's own ZEROSHARD_CMAKE_ARGS come last.
+export ZEROSHARD_CMAKE_ARGS="-DZEROSHARD_BUILD_TESTS=$build_rest -DZEROSHARD_BUILD_EXAMPLES=$build_rest${ZEROSHARD_CMAKE_ARGS:+ $ZEROSHARD_CMAKE_ARGS}"
+echo "setup: building zeroshard ($build_what) in ./build, installing it in place"
 # -v: pip shows the build's output (CMake's configure, ninja's [n/N] lines) as it runs.
 ZEROSHARD_BUILD_JOBS=${ZEROSHARD_BUILD_JOBS:-$(nproc)} \
   "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e .

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-bash scripts/setup.sh
+# The full build: the Catch2 tests and the C++ examples too (ctest runs the example).
+bash scripts/setup.sh --all
 
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "zeroshard/communicator.h"
 #include "zeroshard/process_group.h"
@@ -16,6 +17,7 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <vector>
 
 using zeroshard::CollectiveKind;
 using zeroshard::Communicator;
@@ -84,11 +86,30 @@ void collectives(Communicator& comm) {
   TORCH_CHECK(comm.stats().trafficBytes() == 0, "a rejected collective was counted");
 }
 
-// The last rank exits at once; the others' all-reduce must fail with an error that names it.
+// The last rank dies; the others' all-reduce must fail with an error that names it.
+//
+// Note [dead peer after the mesh]: the peer must die only once the group is formed on every
+// rank. Returning from the Gloo constructor on the dying rank does not prove that: its side
+// of the full mesh can be connected while a survivor is still inside connectFullMesh, which
+// then fails ("Connection closed by peer") instead of the collective under test. So every
+// rank first completes one all-reduce, and each survivor then says so through the rendezvous
+// store; the dying rank exits only once it has read every survivor's key. The store's
+// timeout bounds that wait, and no sleep orders anything.
 void deadPeer(Communicator& comm) {
-  if (comm.rank() == comm.worldSize() - 1) {
+  const int dying = comm.worldSize() - 1;
+  auto joined = at::ones({1});
+  comm.allReduce(joined).wait();
+  TORCH_CHECK(joined.item<float>() == comm.worldSize(), "the all-reduce before the peer dies gave ",
+              joined.item<float>(), ", expected ", comm.worldSize());
+  const auto store = comm.group()->getStore();
+  auto readyKey = [](int rank) { return "dead_peer/ready/" + std::to_string(rank); };
+  if (comm.rank() == dying) {
+    std::vector<std::string> survivors;
+    for (int rank = 0; rank < dying; ++rank) survivors.push_back(readyKey(rank));
+    store->wait(survivors);
     std::_Exit(0);
   }
+  store->set(readyKey(comm.rank()), "1");
   try {
     comm.allReduce(at::ones({1024})).wait();
   } catch (const c10::Error& e) {

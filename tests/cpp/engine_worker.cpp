@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 // Complete type for the intrusive_ptr that initProcessGroupFromEnv() returns.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "zeroshard/config.h"
 #include "zeroshard/engine.h"
@@ -62,6 +63,33 @@ struct Batch {
 Batch globalBatch(int step, int world) {
   torch::manual_seed(1000 + step);
   return {torch::randn({kMicro * world, 8}), torch::randn({kMicro * world, 3})};
+}
+
+// Note [leaving together]: a rank that exits while another is still connecting Gloo's full
+// mesh makes that one fail in connectFullMesh ("Connection closed by peer"), which a scenario
+// ending in an expected error before any collective would do. So every rank first completes
+// one all-reduce (each rank's group is then formed), says so through the store and waits for
+// the others; rank 0, whose process hosts the store, leaves only once the others have read it.
+void leaveTogether(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  std::vector<torch::Tensor> flag{torch::ones({1})};
+  group->allreduce(flag)->wait();
+  const auto store = group->getStore();
+  const int rank = group->getRank();
+  const int world = group->getSize();
+  auto keys = [&](const std::string& what) {
+    std::vector<std::string> out;
+    for (int r = 0; r < world; ++r) out.push_back("leave/" + what + "/" + std::to_string(r));
+    return out;
+  };
+  store->set(keys("done")[rank], "1");
+  store->wait(keys("done"));
+  if (rank != 0) {
+    store->set(keys("bye")[rank], "1");
+    return;
+  }
+  auto others = keys("bye");
+  others.erase(others.begin());
+  store->wait(others);
 }
 
 zeroshard::Engine makeEngine(torch::nn::Module& model, const std::string& configText) {
@@ -184,13 +212,15 @@ void stage2Accounting() {
 // engine.step() before any engine.backward() is a c10::Error that says to call backward.
 void stepBeforeBackward() {
   auto model = makeModel();
-  auto engine = makeEngine(*model, stage2Config());
+  auto group = zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60));
+  zeroshard::Engine engine(*model, group, zeroshard::Config::fromJsonString(stage2Config()));
   try {
     engine.step();
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     TORCH_CHECK(what.find("backward") != std::string::npos, "the error does not mention backward: ", what);
     std::cout << "expected error: " << what << "\n";
+    leaveTogether(group);
     return;
   }
   TORCH_CHECK(false, "engine.step() before any backward returned normally");
@@ -204,14 +234,16 @@ void batchSizeMismatch() {
                            R"(, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                                "zero_optimization": {"stage": 2}})";
   auto model = makeModel();
+  auto group = zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60));
   try {
-    auto engine = makeEngine(*model, text);
+    zeroshard::Engine engine(*model, group, zeroshard::Config::fromJsonString(text));
   } catch (const zeroshard::ConfigError& e) {
     const std::string what = e.what();
     TORCH_CHECK(what.find("train_batch_size (" + std::to_string(wrong) + ")") != std::string::npos &&
                     what.find("world size (" + std::to_string(world) + ")") != std::string::npos,
                 "the error does not name train_batch_size ", wrong, " and world size ", world, ": ", what);
     std::cout << "expected error: " << what << "\n";
+    leaveTogether(group);
     return;
   }
   TORCH_CHECK(false, "train_batch_size ", wrong, " at world size ", world, " was accepted");

@@ -107,6 +107,7 @@ def main():
     if rank == 0:
         print(f"zeroshard stage {engine.stage}: {world} ranks on {device.type}, {n_params / 1e6:.2f}M parameters, "
               f"{data.numel()} characters, global batch {engine.train_batch_size} x {args.seq}", flush=True)
+        print("plan:\n  " + engine.plan().replace("\n", "\n  "), flush=True)
 
     generator = torch.Generator().manual_seed(1234)
     first_step = 1

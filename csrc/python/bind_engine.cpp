@@ -61,6 +61,7 @@ void bindEngine(py::module_& m) {
       .def("reshard_parameters", &Engine::reshardParameters, py::call_guard<py::gil_scoped_release>())
       .def("backward", &Engine::backward, "loss"_a, py::call_guard<py::gil_scoped_release>())
       .def("step", &Engine::step, py::call_guard<py::gil_scoped_release>())
+      .def("plan", [](const Engine& e) { return e.plan().describe(); })
       .def_property_readonly("stage", &Engine::stage)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)

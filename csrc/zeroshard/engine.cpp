@@ -50,17 +50,29 @@ void checkParams(const std::vector<ParamGroupSpec>& groups) {
                              "so there is nothing to shard or optimize");
 }
 
+// Where the model's states live: the device of its parameters (checkParams makes sure there is one).
+std::string deviceOf(const std::vector<ParamGroupSpec>& groups) {
+  for (const auto& group : groups) {
+    for (const auto& p : group.params) {
+      if (p.defined()) return p.device().str();
+    }
+  }
+  return "cpu";
+}
+
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
                Config config, std::vector<UnitSpec> units)
-    : config_(std::move(config)), comm_(std::move(processGroup), timeoutOf(config_)) {
+    : config_(std::move(config)),
+      comm_(std::move(processGroup), timeoutOf(config_)),
+      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(), deviceOf(groups))) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParams(groups);
   std::vector<UnitPolicy> policies;
-  if (stage() == 3) {
+  if (plan_.paramsSharded()) {
     policies = buildUnits(groups, units);
   } else {
     buildBuckets(groups);
@@ -74,8 +86,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   for (auto& b : buckets_) b.pushMasterToParams();
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
-  for (auto& b : buckets_) b.keepMaster(/*sharded=*/stage() > 0);
-  if (stage() == 3) {
+  for (auto& b : buckets_) b.keepMaster(/*sharded=*/plan_.optimizerSharded());
+  if (plan_.paramsSharded()) {
     units_ = std::make_unique<ShardedUnits>(buckets_, std::move(policies), comm_,
                                             config_.zero.stage3PrefetchBucketSize,
                                             config_.zero.stage3MaxLiveParameters);
@@ -89,7 +101,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   reduction.overlap = config_.zero.overlapCommResolved();
   reduction.maxInFlight = config_.extras.maxInflightReductions;
   if (units_) reduction.onLaunched = [this](size_t unit) { units_->afterGradReduce(unit); };
-  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, stage(), std::move(reduction));
+  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, plan_, std::move(reduction));
   comm_.resetStats();
 }
 
@@ -110,48 +122,42 @@ void Engine::registerShards() {
       const int group = b.paramGroup();
       slots.push_back({group, optimizer_.addShard(group, b.master(), grad), 0, b.master().numel()});
     };
-    switch (stage()) {
-      case 0:
-        b.allocateFlatGrads();
-        whole(b.flatGrads());
-        break;
-      case 1:
-        b.allocateFlatGrads();
-        if (computeDtype_ != at::kFloat && config_.extras.reduceDtype == "fp32") {
-          // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
-          b.allocateGradShard(at::kFloat);
-          whole(b.gradShard());
-        } else {
-          whole(b.flatGradShard());
-        }
-        break;
-      case 2:
-        b.allocateGradShard(gradShardDtype());
-        whole(b.gradShard());
-        break;
-      default: {
-        // Note [one optimizer slot per run]: a unit may mix param groups, so each run of
-        // consecutive parameter pieces of one group in this rank's shard is one optimizer slot,
-        // the last run reaching the shard's end. A unit of one group is then one slot over the
-        // whole shard, as a stage-2 bucket is: the fused AdamW kernel takes every element
-        // through its vector loop at both stages (a shard is a multiple of 16 elements), where a
-        // slot per parameter would send each one's last elements through the scalar tail, which
-        // rounds differently.
-        b.allocateGradShard(gradShardDtype());
-        const auto pieces = b.layout().piecesInShard(rank());
-        for (size_t i = 0; i < pieces.size();) {
-          const int group = b.paramGroupOf(pieces[i].param);
-          size_t next = i + 1;
-          while (next < pieces.size() && b.paramGroupOf(pieces[next].param) == group) ++next;
-          const int64_t begin = pieces[i].shardOffset;
-          const int64_t end = next == pieces.size() ? b.layout().shardNumel()
-                                                    : pieces[next].shardOffset;
-          const size_t index = optimizer_.addShard(group, b.master().narrow(0, begin, end - begin),
-                                                   b.gradShard().narrow(0, begin, end - begin));
-          slots.push_back({group, index, begin, end - begin});
-          i = next;
-        }
+    if (plan_.paramsSharded()) {
+      // Note [one optimizer slot per run]: a unit may mix param groups, so each run of
+      // consecutive parameter pieces of one group in this rank's shard is one optimizer slot,
+      // the last run reaching the shard's end. A unit of one group is then one slot over the
+      // whole shard, as a stage-2 bucket is: the fused AdamW kernel takes every element
+      // through its vector loop at both stages (a shard is a multiple of 16 elements), where a
+      // slot per parameter would send each one's last elements through the scalar tail, which
+      // rounds differently.
+      b.allocateGradShard(gradShardDtype());
+      const auto pieces = b.layout().piecesInShard(rank());
+      for (size_t i = 0; i < pieces.size();) {
+        const int group = b.paramGroupOf(pieces[i].param);
+        size_t next = i + 1;
+        while (next < pieces.size() && b.paramGroupOf(pieces[next].param) == group) ++next;
+        const int64_t begin = pieces[i].shardOffset;
+        const int64_t end = next == pieces.size() ? b.layout().shardNumel() : pieces[next].shardOffset;
+        const size_t index = optimizer_.addShard(group, b.master().narrow(0, begin, end - begin),
+                                                 b.gradShard().narrow(0, begin, end - begin));
+        slots.push_back({group, index, begin, end - begin});
+        i = next;
       }
+    } else if (plan_.gradsSharded()) {
+      b.allocateGradShard(gradShardDtype());
+      whole(b.gradShard());
+    } else if (plan_.optimizerSharded()) {
+      b.allocateFlatGrads();
+      if (computeDtype_ != at::kFloat && config_.extras.reduceDtype == "fp32") {
+        // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
+        b.allocateGradShard(at::kFloat);
+        whole(b.gradShard());
+      } else {
+        whole(b.flatGradShard());
+      }
+    } else {
+      b.allocateFlatGrads();
+      whole(b.flatGrads());
     }
   }
 }
@@ -245,7 +251,7 @@ bool Engine::overflowed() {
   auto found = optimizer_.unscaleAndFindNonFinite(1.0 / scaler_->scale(), buckets_.front().flatParams().device());
   // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
   // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
-  if (stage() > 0) comm_.allReduce(found).wait();
+  if (plan_.optimizerSharded()) comm_.allReduce(found).wait();
   return found.item<float>() > 0;
 }
 
@@ -266,7 +272,7 @@ void Engine::clipGradients() {
   if (maxNorm <= 0) return;
   at::Tensor squares = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
   // Each rank holds a disjoint shard of the reduced gradients.
-  if (stage() > 0) comm_.allReduce(squares).wait();
+  if (plan_.optimizerSharded()) comm_.allReduce(squares).wait();
   lastGradNorm_ = squares.sqrt();
   const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
   // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
@@ -275,7 +281,7 @@ void Engine::clipGradients() {
 }
 
 void Engine::gatherParams() {
-  if (stage() == 0) return;
+  if (!plan_.optimizerSharded()) return;
   if (units_) {
     units_->refreshKeptUnits();  // the other units gather from their shards when next used
     return;
@@ -308,13 +314,13 @@ void Engine::gatherParams() {
 
 void Engine::zeroGrads() {
   for (auto& b : buckets_) {
-    if (stage() < 2) {
+    if (!plan_.gradsSharded()) {
       b.flatGrads().zero_();
     } else {
       b.gradShard().zero_();
     }
   }
-  if (stage() >= 2) reducer_->markShardsEmpty();
+  if (plan_.gradsSharded()) reducer_->markShardsEmpty();
 }
 
 MemoryStats Engine::memoryStats() const {
@@ -353,7 +359,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& b : buckets_) {
     at::Tensor full = b.master();
-    if (stage() > 0) {
+    if (plan_.optimizerSharded()) {
       full = at::empty({b.layout().paddedNumel()}, b.master().options());
       comm_.allGather(b.master(), full).wait();
     }

@@ -16,6 +16,7 @@
 #include "zeroshard/config.h"
 #include "zeroshard/loss_scaler.h"
 #include "zeroshard/optimizer.h"
+#include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/sharded_units.h"
 
 #include <functional>
@@ -138,7 +139,9 @@ class Engine {
 
   const Config& config() const { return config_; }
   const BatchSizes& batchSizes() const { return batchSizes_; }
-  int stage() const { return static_cast<int>(config_.zero.stage); }
+  int stage() const { return static_cast<int>(plan_.stage()); }
+  // What is sharded or replicated, over which ranks, and where (one line per state: plan().describe()).
+  const ShardingPlan& plan() const { return plan_; }
   // The dtype parameters, gradients and gathers use: bf16 with bf16.enabled, else float32.
   at::ScalarType computeDtype() const { return computeDtype_; }
   int rank() const { return comm_.rank(); }
@@ -218,6 +221,7 @@ class Engine {
 
   Config config_;
   Communicator comm_;
+  ShardingPlan plan_;
   at::ScalarType computeDtype_ = at::kFloat;
   std::optional<LossScaler> scaler_;
   int64_t skippedSteps_ = 0;

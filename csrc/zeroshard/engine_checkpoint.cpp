@@ -61,7 +61,7 @@ void Engine::setModuleState(ModuleState state) {
 
 ShardRange Engine::heldRange(size_t bucket) const {
   const auto& layout = buckets_[bucket].layout();
-  return stage() == 0 ? ShardRange{0, layout.paddedNumel()} : layout.shardRange(rank());
+  return plan_.optimizerSharded() ? layout.shardRange(rank()) : ShardRange{0, layout.paddedNumel()};
 }
 
 // This rank's shard of one state tensor of a bucket, on CPU (zeros where no parameter lies).
@@ -199,7 +199,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
     CheckpointManifest m;
     m.tag = tag;
     m.worldSize = worldSize();
-    m.stage = stage();
+    m.stage = static_cast<int>(plan_.stage());
     m.computeDtype = computeDtype_;
     m.globalSteps = optimizer_.stepCount();
     m.boundaries = boundaries;

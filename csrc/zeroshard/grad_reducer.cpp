@@ -41,9 +41,9 @@ struct GradReducer::HookHandle {
   uintptr_t key;
 };
 
-GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage, ReductionOptions options)
-    : buckets_(buckets), comm_(comm), stage_(stage), options_(std::move(options)) {
-  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zeroshard::GradReducer handles stages 0-3, got ", stage_);
+GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, const ShardingPlan& plan,
+                         ReductionOptions options)
+    : buckets_(buckets), comm_(comm), plan_(plan), options_(std::move(options)) {
   TORCH_CHECK(options_.maxInFlight >= 1, "zeroshard: zeroshard.max_inflight_reductions must be >= 1, got ",
               options_.maxInFlight);
   for (const auto& b : buckets_) {
@@ -79,7 +79,7 @@ void GradReducer::removeHooks() {
 }
 
 bool GradReducer::reducesThisBackward() const {
-  return stage_ >= 2 || boundary_;
+  return plan_.gradsSharded() || boundary_;
 }
 
 void GradReducer::markShardsEmpty() {
@@ -94,7 +94,7 @@ void GradReducer::beginBackward(bool boundary) {
     std::fill(ready_[b].begin(), ready_[b].end(), 0);
     readyCount_[b] = 0;
     launched_[b] = 0;
-    if (stage_ < 2) buckets_[b].attachGradViews();
+    if (!plan_.gradsSharded()) buckets_[b].attachGradViews();
   }
 }
 
@@ -106,16 +106,16 @@ void GradReducer::onGradReady(size_t bucket, size_t param) {
     // A leaf's gradient is accumulated once per backward, unless a nested backward (reentrant
     // activation checkpointing) accumulates it again. Stages 0 and 1 add it to the flat
     // gradients in place, which is fine until the bucket's reduction starts reading them.
-    TORCH_CHECK(stage_ < 2 && !launched_[bucket], "zeroshard: parameter '", b.layout().params()[param].name,
+    TORCH_CHECK(!plan_.gradsSharded() && !launched_[bucket], "zeroshard: parameter '", b.layout().params()[param].name,
                 "' received a second gradient in one backward, after ",
-                stage_ < 2 ? "its bucket's reduction had started" : "it was reduced (stages 2 and 3 reduce each "
+                !plan_.gradsSharded() ? "its bucket's reduction had started" : "it was reduced (stages 2 and 3 reduce each "
                 "gradient as soon as it is final)",
                 ". A nested backward does this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
     return;
   }
   ready_[bucket][param] = 1;
   ++readyCount_[bucket];
-  if (stage_ >= 2) {
+  if (plan_.gradsSharded()) {
     // Copy the final gradient into the bucket's staging buffer and free it right away.
     if (!b.staging().defined()) {
       // Uninitialized: every parameter's region is written by its gradient, and launch()
@@ -180,19 +180,19 @@ void GradReducer::launch(size_t bucket) {
   auto& b = buckets_[bucket];
   launched_[bucket] = 1;
   double mean = 1.0 / comm_.worldSize();
-  if (options_.preDivide && stage_ < 2) {
+  if (options_.preDivide && !plan_.gradsSharded()) {
     b.flatGrads().mul_(mean);
     mean = 1.0;
   }
   const bool widen = options_.reduceInFloat && b.flatParams().scalar_type() != at::kFloat;
-  if (stage_ < 2 && widen) {
+  if (!plan_.gradsSharded() && widen) {
     // Sum in fp32. Stage 0 rounds the result into its 16-bit gradients once; stage 1
     // reduce-scatters into the fp32 gradient shard the optimizer reads, unrounded, as stages 2
     // and 3 do (so stages 1-3 give bitwise the same weights).
     auto wide = b.flatGrads().to(at::kFloat);
     const auto wideBytes = static_cast<int64_t>(wide.nbytes());
     countStaging(wideBytes);
-    if (stage_ == 0) {
+    if (!plan_.optimizerSharded()) {
       const at::Tensor& target = b.flatGrads();
       inFlight_.push_back({comm_.allReduce(wide, mean), [target, wide]() mutable { target.copy_(wide); }, wideBytes});
     } else {
@@ -200,9 +200,9 @@ void GradReducer::launch(size_t bucket) {
                   "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
       inFlight_.push_back({comm_.reduceScatter(wide, b.gradShard(), mean), [wide]() {}, wideBytes});
     }
-  } else if (stage_ == 0) {
+  } else if (!plan_.optimizerSharded()) {
     inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
-  } else if (stage_ == 1) {
+  } else if (!plan_.gradsSharded()) {
     inFlight_.push_back({comm_.reduceScatter(b.flatGrads(), b.flatGradShard(), mean), {}});
   } else {
     if (!b.staging().defined()) {

@@ -1,4 +1,4 @@
-// Gradient reduction for stages 0, 1 and 2, driven by autograd.
+// Gradient reduction at every stage, driven by autograd; what it does follows the sharding plan.
 //
 // A post-hook on each parameter's gradient accumulator reports when its gradient is final for
 // this backward. When every parameter of a bucket has reported, the bucket's collective starts
@@ -24,6 +24,7 @@
 
 #include "zeroshard/bucket.h"
 #include "zeroshard/communicator.h"
+#include "zeroshard/plan/sharding_plan.h"
 
 #include <cstdint>
 #include <functional>
@@ -47,7 +48,7 @@ struct ReductionOptions {
 
 class GradReducer {
  public:
-  GradReducer(std::vector<Bucket>& buckets, Communicator& comm, int stage, ReductionOptions options);
+  GradReducer(std::vector<Bucket>& buckets, Communicator& comm, const ShardingPlan& plan, ReductionOptions options);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
@@ -88,7 +89,7 @@ class GradReducer {
 
   std::vector<Bucket>& buckets_;
   Communicator& comm_;
-  int stage_;
+  ShardingPlan plan_;
   bool inBackward_ = false;
   bool boundary_ = false;
   std::vector<std::vector<char>> ready_;

@@ -165,6 +165,11 @@ class Engine:
         with persistent_numel their elements."""
         return self._core.stage3_units()
 
+    def plan(self):
+        """The sharding plan, one line per state (parameters, gradients, optimizer state): sharded
+        or replicated, over which ranks, and where it lives."""
+        return self._core.plan()
+
     def memory_stats(self):
         """Bytes of parameters, gradients and optimizer state this rank holds between steps
         (params, grads, optimizer, total), and peaks of the last step that are not in the

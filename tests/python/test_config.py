@@ -134,7 +134,7 @@ KEY_EFFECTS = {
     "optimizer.params.adam_w_mode": ("refuses", False),
     "optimizer.params.amsgrad": ("refuses", True),
     "optimizer.params.bias_correction": ("refuses", False),
-    "zero_optimization.stage": ("field", r"config_\.zero\.stage\b", 2),
+    "zero_optimization.stage": ("field", r"config\.zero\.stage\b", 2),
     "zero_optimization.reduce_bucket_size": ("field", r"zero\.reduceBucketSize", 7),
     "zero_optimization.allgather_bucket_size": ("field", r"zero\.allgatherBucketSize", 7),
     "zero_optimization.overlap_comm": ("field", r"zero\.overlapCommResolved\(\)", True),
@@ -160,7 +160,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _engine_sources():
     """The code that runs training: the C++ core outside its config layer, and the Python
     package; a key's field must be read there to take effect."""
-    core = [p for p in (ROOT / "csrc" / "zeroshard").glob("*.*") if not p.name.startswith("config")]
+    core = [p for p in (ROOT / "csrc" / "zeroshard").rglob("*.*") if not p.name.startswith("config")]
     return "\n".join(p.read_text() for p in core + sorted((ROOT / "python" / "zeroshard").glob("*.py")))
 
 

@@ -190,3 +190,26 @@ def test_plain_python_says_once_that_it_runs_as_one_rank():
     lines = [line for line in done.stderr.splitlines() if "zeroshard" in line]
     assert len(lines) == 1 and "single rank" in lines[0] and "nothing is sharded" in lines[0], done.stderr
     assert "torchrun --nproc-per-node" in lines[0]
+
+
+def _plans(rank, world_size):
+    import zeroshard
+
+    plans = {}
+    for stage in (0, 1, 2, 3):
+        engine = zeroshard.initialize(make_model(), _config(stage))
+        plans[stage] = engine.plan()
+    return plans
+
+
+def test_plan_says_what_each_stage_shards_over_which_ranks_and_where():
+    """engine.plan(): one line per state; stage s shards the optimizer state from 1, the
+    gradients from 2 and the parameters at 3, over every rank of the group, on the compute
+    device."""
+    plans = run_ranks(_plans, 2)[0]
+    for stage, plan in plans.items():
+        lines = plan.splitlines()
+        assert [line.split(":")[0] for line in lines] == ["parameters", "gradients", "optimizer state"], plan
+        for line, sharded_from in zip(lines, (3, 2, 1)):
+            expected = "sharded over ranks 0-1 (2 shards)" if stage >= sharded_from else "replicated on ranks 0-1"
+            assert expected in line and line.endswith(", on cpu"), f"stage {stage}: {line}"

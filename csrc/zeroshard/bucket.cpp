@@ -105,9 +105,6 @@ void Bucket::materializeFlatParams() {
   storage->set_nbytes(bytes);
 }
 
-bool Bucket::flatParamsMaterialized() const {
-  return flatParams_.storage().nbytes() > 0;
-}
 
 void Bucket::allocateFlatGrads() {
   flatGrads_ = at::zeros({layout_.paddedNumel()}, flatParams_.options());

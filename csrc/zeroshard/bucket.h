@@ -1,5 +1,5 @@
-// A run of one param group's parameters that share one FlatLayout: the unit that stages 0-2
-// reduce gradients and all-gather parameters for, one collective per bucket.
+// A run of parameters that share one FlatLayout: the unit the gradient reducer reduces and the
+// engine all-gathers, one collective per bucket (at stage 3, one unit).
 //
 // On construction the parameters' data moves into one padded flat buffer and every parameter
 // becomes a view of it: the Parameter objects the model holds keep their identity.
@@ -41,7 +41,6 @@ class Bucket {
   void detachShard();
   void releaseFlatParams();
   void materializeFlatParams();
-  bool flatParamsMaterialized() const;
 
   // The fp32 weights the optimizer updates: the full buffer (stage 0) or this rank's slice. In
   // fp32 training they are the parameters' own storage; otherwise a separate copy that

@@ -32,7 +32,6 @@ class CheckedFileWriter {
   CheckedFileWriter& operator=(const CheckedFileWriter&) = delete;
 
   void write(const void* data, size_t size);
-  int64_t bytesWritten() const { return digest_.bytes; }
   // Flushes the file to disk (fsync) and closes it. `name` is what the digest calls it.
   FileDigest finish(const std::string& name);
 

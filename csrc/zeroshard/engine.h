@@ -174,7 +174,6 @@ class Engine {
   // Stage 3 for C++ programs: runs `forward` as unit `unitSpec` (gathered before, released after,
   // gathered again for its backward). Below stage 3 it just runs `forward`.
   at::Tensor runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward);
-  size_t numUnitSpecs() const { return specToUnit_.size(); }
   // Stage 3: the units built, in UnitSpec order (empty below stage 3), and their names.
   const std::vector<UnitInfo>& stage3Units() const { return unitInfos_; }
   std::vector<std::string> unitNames() const;

@@ -19,7 +19,6 @@ class LossScaler {
   explicit LossScaler(const Fp16Config& config);
 
   double scale() const { return scale_; }
-  bool dynamic() const { return dynamic_; }
   // Called once per optimizer boundary with whether any rank overflowed.
   void update(bool overflow);
 

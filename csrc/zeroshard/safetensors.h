@@ -54,7 +54,6 @@ class SafetensorsReader {
   bool contains(const std::string& name) const { return index_.count(name) > 0; }
   // Throws naming the file when `name` is not in it.
   const TensorEntry& entry(const std::string& name) const;
-  const std::vector<TensorEntry>& entries() const { return entries_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // Elements [first, first + count) of tensor `name` (flattened) into `out`, which must hold
   // count elements of the tensor's dtype.

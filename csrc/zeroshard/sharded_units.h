@@ -51,11 +51,7 @@ class ShardedUnits {
   void gatherAll();
   void reshardAll();
 
-  UnitState state(size_t unit) const { return states_.at(unit); }
   bool isReleasable(size_t unit) const { return !policies_.at(unit).keepGathered; }
-  const std::vector<size_t>& order() const { return order_; }
-  // Bytes of gathered (full) parameters of units that are not kept gathered.
-  int64_t gatheredBytes() const { return liveBytes_; }
   int64_t peakGatheredBytes() const { return peakBytes_; }
   void resetPeak() { peakBytes_ = liveBytes_; }
 

@@ -1,4 +1,4 @@
-"""zeroshard: ZeRO stages 0-2 sharding for PyTorch, with a C++ core on LibTorch."""
+"""zeroshard: ZeRO stages 0-3 sharding for PyTorch, with a C++ core on LibTorch."""
 
 import torch as _torch  # noqa: F401  (loads libtorch before the extension that links it)
 

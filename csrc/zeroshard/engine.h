@@ -216,7 +216,6 @@ class Engine {
   FileDigest writeRankFile(const std::string& dir) const;
   void checkCheckpointMatches(const CheckpointManifest& manifest, bool sameGroups) const;
   void agreeAcrossRanks(const std::string& what, const std::string& outcome, const std::function<void()>& work);
-  std::vector<std::string> gatherText(const std::string& text);
 
   Config config_;
   Communicator comm_;

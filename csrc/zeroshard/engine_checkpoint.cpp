@@ -4,8 +4,6 @@
 // matter (checkpoint_reader.h).
 #include "zeroshard/engine.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
@@ -14,6 +12,7 @@
 #include "zeroshard/checkpoint_dir.h"
 #include "zeroshard/checkpoint_manifest.h"
 #include "zeroshard/checkpoint_reader.h"
+#include "zeroshard/comm/gather_values.h"
 #include "zeroshard/safetensors.h"
 
 #include <algorithm>
@@ -138,28 +137,6 @@ void Engine::agreeAcrossRanks(const std::string& what, const std::string& outcom
               outcome);
 }
 
-std::vector<std::string> Engine::gatherText(const std::string& text) {
-  const auto device = buckets_.front().flatParams().device();
-  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-  auto length = at::full({1}, static_cast<int64_t>(text.size()), longs);
-  auto lengths = at::empty({worldSize()}, longs);
-  comm_.allGather(length, lengths).wait();
-  const auto sizes = lengths.to(at::kCPU);
-  int64_t longest = 1;
-  for (int r = 0; r < worldSize(); ++r) longest = std::max(longest, sizes[r].item<int64_t>());
-  auto mine = at::zeros({longest}, at::TensorOptions().dtype(at::kByte));
-  std::copy(text.begin(), text.end(), mine.data_ptr<uint8_t>());
-  auto all = at::empty({longest * worldSize()}, at::TensorOptions().dtype(at::kByte).device(device));
-  comm_.allGather(mine.to(device), all).wait();
-  const auto bytes = all.to(at::kCPU);
-  std::vector<std::string> texts;
-  for (int r = 0; r < worldSize(); ++r) {
-    const auto* begin = bytes.data_ptr<uint8_t>() + r * longest;
-    texts.emplace_back(begin, begin + sizes[r].item<int64_t>());
-  }
-  return texts;
-}
-
 std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tagIn, const std::string& clientState,
                                    const std::string& rankError) {
   const int64_t accumulation = batchSizes_.accumulationSteps;
@@ -193,7 +170,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
       digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
     }
   });
-  const auto texts = gatherText(digestsToJson(digests));
+  const auto texts = allGatherText(comm_, digestsToJson(digests), buckets_.front().flatParams().device());
   agreeAcrossRanks(what, outcome, [&] {
     if (rank() != 0) return;
     CheckpointManifest m;

@@ -1,12 +1,11 @@
 #include "zeroshard/sharded_units.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/tensor.h>
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+
+#include "zeroshard/comm/gather_values.h"
 
 #include <algorithm>
 #include <sstream>
@@ -161,27 +160,17 @@ void ShardedUnits::finishBackward() {
 }
 
 void ShardedUnits::checkOrderAcrossRanks() {
-  // Equal lengths first (an all-gather of unequal sizes cannot even be posted), then the orders.
-  const auto i64 = at::TensorOptions().dtype(at::kLong).device(units_.front().flatParams().device());
-  const int64_t n = static_cast<int64_t>(order_.size());
-  auto lengths = at::empty({comm_.worldSize()}, i64);
-  comm_.allGather(at::full({1}, n, i64), lengths).wait();
-  auto lengthsCpu = lengths.cpu();
+  const std::vector<int64_t> mine(order_.begin(), order_.end());
+  const auto orders = allGatherValues(comm_, mine, units_.front().flatParams().device());
+  const auto n = static_cast<int64_t>(mine.size());
   for (int r = 0; r < comm_.worldSize(); ++r) {
-    TORCH_CHECK(lengthsCpu[r].item<int64_t>() == n, "zeroshard stage 3: rank ", comm_.rank(), " ran ", n,
-                " unit forwards in its first step but rank ", r, " ran ", lengthsCpu[r].item<int64_t>(),
+    const auto& theirs = orders[static_cast<size_t>(r)];
+    TORCH_CHECK(static_cast<int64_t>(theirs.size()) == n, "zeroshard stage 3: rank ", comm_.rank(), " ran ", n,
+                " unit forwards in its first step but rank ", r, " ran ", theirs.size(),
                 "; every rank must run the same units in the same order");
-  }
-  if (n == 0) return;
-  std::vector<int64_t> mine(order_.begin(), order_.end());
-  auto all = at::empty({n * comm_.worldSize()}, i64);
-  comm_.allGather(at::tensor(mine, i64.device(at::kCPU)).to(i64.device()), all).wait();
-  auto allCpu = all.cpu();
-  for (int r = 0; r < comm_.worldSize(); ++r) {
     for (int64_t i = 0; i < n; ++i) {
-      const auto theirs = allCpu[r * n + i].item<int64_t>();
-      TORCH_CHECK(theirs == mine[i], "zeroshard stage 3: at position ", i, " of the first step rank ", comm_.rank(),
-                  " ran unit '", nameOf(mine[i]), "' but rank ", r, " ran unit '", nameOf(theirs),
+      TORCH_CHECK(theirs[i] == mine[i], "zeroshard stage 3: at position ", i, " of the first step rank ", comm_.rank(),
+                  " ran unit '", nameOf(mine[i]), "' but rank ", r, " ran unit '", nameOf(theirs[i]),
                   "'; every rank must run the units in the same order");
     }
   }

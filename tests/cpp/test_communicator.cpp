@@ -21,6 +21,14 @@ TEST_CASE("collectives give the right values and byte counts at 2 and 4 ranks", 
   }
 }
 
+TEST_CASE("values and text of different lengths from every rank arrive whole and by rank", "[communicator]") {
+  for (int world : {2, 3}) {
+    auto outcomes = spawnRanks(ZEROSHARD_TEST_WORKER, "gather_values", world);
+    INFO("world size " << world << "\n" << describeFailures(outcomes));
+    CHECK(describeFailures(outcomes).empty());
+  }
+}
+
 TEST_CASE("a dead peer makes the collective fail with its name instead of hanging", "[communicator]") {
   auto outcomes = spawnRanks(ZEROSHARD_TEST_WORKER, "dead_peer", 2);
   INFO(describeFailures(outcomes));

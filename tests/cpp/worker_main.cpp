@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "zeroshard/comm/gather_values.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/process_group.h"
 
@@ -138,16 +139,37 @@ void stalledPeer(Communicator& comm) {
   TORCH_CHECK(false, "all_reduce with a stalled peer returned normally");
 }
 
+// Values of different lengths from every rank come back by rank, whole; all-empty lists too.
+void gatherValues(Communicator& comm) {
+  const int rank = comm.rank();
+  std::vector<int64_t> mine;
+  for (int i = 0; i <= rank; ++i) mine.push_back(100 * rank + i);
+  const auto values = allGatherValues(comm, mine, at::kCPU);
+  const auto texts = allGatherText(comm, rank == 0 ? "" : "rank " + std::to_string(rank) + std::string(rank, '!'),
+                                   at::kCPU);
+  const auto empties = allGatherValues(comm, {}, at::kCPU);
+  TORCH_CHECK(static_cast<int>(values.size()) == comm.worldSize() && static_cast<int>(texts.size()) == comm.worldSize());
+  for (int r = 0; r < comm.worldSize(); ++r) {
+    std::vector<int64_t> expected;
+    for (int i = 0; i <= r; ++i) expected.push_back(100 * r + i);
+    TORCH_CHECK(values[r] == expected, "rank ", r, "'s values arrived as ", c10::Join(", ", values[r]));
+    const std::string text = r == 0 ? "" : "rank " + std::to_string(r) + std::string(r, '!');
+    TORCH_CHECK(texts[r] == text, "rank ", r, "'s text arrived as '", texts[r], "'");
+    TORCH_CHECK(empties[r].empty(), "rank ", r, " sent nothing but ", empties[r].size(), " values arrived");
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::pair<std::function<void(Communicator&)>, int>> scenarios = {
       {"collectives", {collectives, 60000}},
       {"dead_peer", {deadPeer, 60000}},
+      {"gather_values", {gatherValues, 60000}},
       {"stalled_peer", {stalledPeer, 2000}},
   };
   if (argc != 2 || !scenarios.count(argv[1])) {
-    std::cerr << "usage: zeroshard_test_worker collectives|dead_peer|stalled_peer\n";
+    std::cerr << "usage: zeroshard_test_worker collectives|dead_peer|gather_values|stalled_peer\n";
     return 2;
   }
   try {

@@ -88,7 +88,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
   for (auto& b : buckets_) b.keepMaster(/*sharded=*/plan_.optimizerSharded());
   if (plan_.paramsSharded()) {
-    units_ = std::make_unique<ShardedUnits>(buckets_, std::move(policies), comm_,
+    units_ = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
                                             config_.zero.stage3PrefetchBucketSize,
                                             config_.zero.stage3MaxLiveParameters);
   }

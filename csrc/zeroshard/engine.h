@@ -17,7 +17,7 @@
 #include "zeroshard/loss_scaler.h"
 #include "zeroshard/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
-#include "zeroshard/sharded_units.h"
+#include "zeroshard/stage3/unit_scheduler.h"
 
 #include <functional>
 #include <memory>
@@ -227,7 +227,7 @@ class Engine {
   std::vector<Bucket> buckets_;
   ShardedAdamW optimizer_;
   std::unique_ptr<GradReducer> reducer_;
-  std::unique_ptr<ShardedUnits> units_;
+  std::unique_ptr<UnitScheduler> units_;
   std::vector<int> specToUnit_;
   std::vector<UnitInfo> unitInfos_;
   // Where each bucket's optimizer state lives: the shards registered with the optimizer, by

@@ -2,7 +2,7 @@
 
 A unit's parameters are gathered before its forward and released after it (and again around
 its backward, from C++ autograd hooks). Python only finds the units and forwards the module
-hooks; the gathering, prefetching and releasing happen in C++ (csrc/zeroshard/sharded_units.*).
+hooks; the gathering, prefetching and releasing happen in C++ (csrc/zeroshard/stage3/unit_scheduler.*).
 """
 
 import torch.nn as nn

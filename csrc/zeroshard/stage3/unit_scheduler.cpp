@@ -1,4 +1,4 @@
-#include "zeroshard/sharded_units.h"
+#include "zeroshard/stage3/unit_scheduler.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
@@ -12,7 +12,7 @@
 
 namespace zeroshard {
 
-ShardedUnits::ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
+UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                            int64_t prefetchElements, int64_t maxLiveElements)
     : units_(units),
       policies_(std::move(policies)),
@@ -35,12 +35,12 @@ ShardedUnits::ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> p
   }
 }
 
-const std::string& ShardedUnits::nameOf(size_t unit) const {
+const std::string& UnitScheduler::nameOf(size_t unit) const {
   // A unit's name is its first parameter's module path, e.g. "blocks.3.attn.qkv.weight".
   return units_.at(unit).layout().params().front().name;
 }
 
-void ShardedUnits::startUnshard(size_t u) {
+void UnitScheduler::startUnshard(size_t u) {
   if (states_[u] != UnitState::kSharded) return;
   auto& unit = units_[u];
   unit.materializeFlatParams();
@@ -53,7 +53,7 @@ void ShardedUnits::startUnshard(size_t u) {
   peakBytes_ = std::max(peakBytes_, liveBytes_);
 }
 
-void ShardedUnits::unshard(size_t u) {
+void UnitScheduler::unshard(size_t u) {
   startUnshard(u);
   if (states_[u] == UnitState::kGathering) {
     auto handle = std::move(*pending_[u]);
@@ -63,7 +63,7 @@ void ShardedUnits::unshard(size_t u) {
   }
 }
 
-void ShardedUnits::reshard(size_t u) {
+void UnitScheduler::reshard(size_t u) {
   if (policies_[u].keepGathered || states_[u] == UnitState::kSharded) return;
   if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
   orderAllocationAfterUse(u);
@@ -77,7 +77,7 @@ void ShardedUnits::reshard(size_t u) {
 // DeepSpeed always fetches the first parameters of its prefetch queue: with its default of 5e7
 // elements, a transformer block of a 1B model (about 5e7 elements) would otherwise never be
 // prefetched. Only 0 turns prefetch off; stage3_max_live_parameters still bounds it.
-void ShardedUnits::prefetch(size_t u) {
+void UnitScheduler::prefetch(size_t u) {
   if (states_[u] != UnitState::kSharded || prefetchElements_ <= 0) return;
   const int64_t numel = units_[u].layout().paddedNumel();
   if (liveElements_ + numel > maxLiveElements_) return;
@@ -91,7 +91,7 @@ void ShardedUnits::prefetch(size_t u) {
 // another's), an event makes that stream wait for this one first, so the block is not reused
 // while the all-gather or a kernel may still touch it. On one stream (the usual case) and on
 // CPUs there is nothing to order.
-void ShardedUnits::orderAllocationAfterUse(size_t u) {
+void UnitScheduler::orderAllocationAfterUse(size_t u) {
   auto& allocStream = allocStreams_[u];
   if (!allocStream) return;
   const auto device = units_[u].flatParams().device();
@@ -104,7 +104,7 @@ void ShardedUnits::orderAllocationAfterUse(size_t u) {
   allocStream.reset();
 }
 
-void ShardedUnits::preForward(size_t u) {
+void UnitScheduler::preForward(size_t u) {
   const bool training = c10::GradMode::is_enabled();
   if (recording_ && training) {
     order_.push_back(u);
@@ -122,7 +122,7 @@ void ShardedUnits::preForward(size_t u) {
   }
 }
 
-void ShardedUnits::postForward(size_t u, const std::vector<at::Tensor>& outputs) {
+void UnitScheduler::postForward(size_t u, const std::vector<at::Tensor>& outputs) {
   if (c10::GradMode::is_enabled()) {
     for (const auto& out : outputs) {
       if (out.defined() && out.requires_grad()) {
@@ -133,7 +133,7 @@ void ShardedUnits::postForward(size_t u, const std::vector<at::Tensor>& outputs)
   if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) reshard(u);
 }
 
-void ShardedUnits::preBackward(size_t u) {
+void UnitScheduler::preBackward(size_t u) {
   unshard(u);
   if (recording_) return;
   // Walk the recorded order backwards: the unit before this one runs its backward next.
@@ -145,11 +145,11 @@ void ShardedUnits::preBackward(size_t u) {
   }
 }
 
-void ShardedUnits::afterGradReduce(size_t u) {
+void UnitScheduler::afterGradReduce(size_t u) {
   reshard(u);
 }
 
-void ShardedUnits::finishBackward() {
+void UnitScheduler::finishBackward() {
   for (size_t u = 0; u < units_.size(); ++u) reshard(u);
   if (recording_) {
     checkOrderAcrossRanks();
@@ -159,7 +159,7 @@ void ShardedUnits::finishBackward() {
   backwardPos_ = order_.size();
 }
 
-void ShardedUnits::checkOrderAcrossRanks() {
+void UnitScheduler::checkOrderAcrossRanks() {
   const std::vector<int64_t> mine(order_.begin(), order_.end());
   const auto orders = allGatherValues(comm_, mine, units_.front().flatParams().device());
   const auto n = static_cast<int64_t>(mine.size());
@@ -176,7 +176,7 @@ void ShardedUnits::checkOrderAcrossRanks() {
   }
 }
 
-void ShardedUnits::refreshKeptUnits() {
+void UnitScheduler::refreshKeptUnits() {
   std::vector<CommHandle> handles;
   for (size_t u = 0; u < units_.size(); ++u) {
     if (policies_[u].keepGathered) handles.push_back(comm_.allGather(units_[u].paramShard(), units_[u].flatParams()));
@@ -184,12 +184,12 @@ void ShardedUnits::refreshKeptUnits() {
   for (auto& h : handles) h.wait();
 }
 
-void ShardedUnits::gatherAll() {
+void UnitScheduler::gatherAll() {
   for (size_t u = 0; u < units_.size(); ++u) startUnshard(u);
   for (size_t u = 0; u < units_.size(); ++u) unshard(u);
 }
 
-void ShardedUnits::reshardAll() {
+void UnitScheduler::reshardAll() {
   for (size_t u = 0; u < units_.size(); ++u) reshard(u);
 }
 

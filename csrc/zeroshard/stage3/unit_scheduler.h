@@ -1,6 +1,6 @@
-// Stage 3: parameters exist only as shards between uses. A unit (one FlatLayout, usually one
-// transformer block) is all-gathered before its forward, freed after it, gathered again before
-// its backward and freed once its gradients are reduce-scattered.
+// The stage-3 scheduler: parameters exist only as shards between uses. A unit (one FlatLayout,
+// usually one transformer block) is all-gathered before its forward, freed after it, gathered
+// again before its backward and freed once its gradients are reduce-scattered.
 //
 // The first forward records the order units run in; later forwards prefetch the next unit's
 // all-gather while the current one computes, and backwards prefetch the previous one. The
@@ -28,9 +28,9 @@ struct UnitPolicy {
   bool keepGathered = false;        // persistent parameters: never released
 };
 
-class ShardedUnits {
+class UnitScheduler {
  public:
-  ShardedUnits(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
+  UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                int64_t prefetchElements, int64_t maxLiveElements);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).

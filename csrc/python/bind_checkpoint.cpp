@@ -3,8 +3,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
-#include "zeroshard/checkpoint_convert.h"
-#include "zeroshard/checkpoint_reader.h"
+#include "zeroshard/checkpoint/convert.h"
+#include "zeroshard/checkpoint/reader.h"
 
 #include <optional>
 

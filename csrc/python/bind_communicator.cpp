@@ -2,7 +2,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
-#include "zeroshard/communicator.h"
+#include "zeroshard/comm/communicator.h"
 
 #include <chrono>
 

@@ -5,8 +5,8 @@
 
 #include <pybind11/stl.h>
 
-#include "zeroshard/config.h"
-#include "zeroshard/config_keys.h"
+#include "zeroshard/config/config.h"
+#include "zeroshard/config/config_keys.h"
 
 namespace py = pybind11;
 

@@ -6,7 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "zeroshard/grad_reducer.h"
+#include "zeroshard/grad/grad_reducer.h"
 
 #include <algorithm>
 #include <chrono>

@@ -10,12 +10,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include "zeroshard/bucket.h"
-#include "zeroshard/checked_file.h"
-#include "zeroshard/communicator.h"
-#include "zeroshard/config.h"
-#include "zeroshard/loss_scaler.h"
-#include "zeroshard/optimizer.h"
+#include "zeroshard/layout/bucket.h"
+#include "zeroshard/checkpoint/checked_file.h"
+#include "zeroshard/comm/communicator.h"
+#include "zeroshard/config/config.h"
+#include "zeroshard/optim/loss_scaler.h"
+#include "zeroshard/optim/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/stage3/unit_scheduler.h"
 

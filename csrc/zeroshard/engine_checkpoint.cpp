@@ -9,11 +9,11 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "zeroshard/checkpoint_dir.h"
-#include "zeroshard/checkpoint_manifest.h"
-#include "zeroshard/checkpoint_reader.h"
+#include "zeroshard/checkpoint/directory.h"
+#include "zeroshard/checkpoint/manifest.h"
+#include "zeroshard/checkpoint/reader.h"
 #include "zeroshard/comm/gather_values.h"
-#include "zeroshard/safetensors.h"
+#include "zeroshard/checkpoint/safetensors.h"
 
 #include <algorithm>
 #include <chrono>

@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "zeroshard/grad_reducer.h"
+#include "zeroshard/grad/grad_reducer.h"
 
 #include <unordered_map>
 #include <unordered_set>

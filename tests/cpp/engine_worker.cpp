@@ -10,9 +10,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "zeroshard/config.h"
+#include "zeroshard/config/config.h"
 #include "zeroshard/engine.h"
-#include "zeroshard/process_group.h"
+#include "zeroshard/comm/process_group.h"
 
 #include <chrono>
 #include <cmath>

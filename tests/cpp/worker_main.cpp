@@ -7,8 +7,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "zeroshard/comm/gather_values.h"
-#include "zeroshard/communicator.h"
-#include "zeroshard/process_group.h"
+#include "zeroshard/comm/communicator.h"
+#include "zeroshard/comm/process_group.h"
 
 #include <unistd.h>
 

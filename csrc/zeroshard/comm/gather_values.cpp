@@ -5,7 +5,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
-#include "zeroshard/communicator.h"
+#include "zeroshard/comm/communicator.h"
 
 #include <algorithm>
 #include <cstring>

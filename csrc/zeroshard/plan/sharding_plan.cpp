@@ -1,6 +1,6 @@
 #include "zeroshard/plan/sharding_plan.h"
 
-#include "zeroshard/config.h"
+#include "zeroshard/config/config.h"
 
 #include <stdexcept>
 #include <utility>

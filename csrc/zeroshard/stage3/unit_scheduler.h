@@ -11,8 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Stream.h>
 
-#include "zeroshard/bucket.h"
-#include "zeroshard/communicator.h"
+#include "zeroshard/layout/bucket.h"
+#include "zeroshard/comm/communicator.h"
 
 #include <cstdint>
 #include <optional>

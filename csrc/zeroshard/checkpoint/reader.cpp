@@ -1,0 +1,123 @@
+#include "zeroshard/checkpoint/reader.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "zeroshard/checkpoint/directory.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace zeroshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string readManifestText(const std::string& path, const std::string& checkpoint) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "zeroshard checkpoint: '", path, "' is missing, so '", checkpoint,
+              "' is not a complete checkpoint (a save that did not finish never gets a manifest)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+} // namespace
+
+CheckpointReader::CheckpointReader(const std::string& dir, const std::optional<std::string>& tag) {
+  TORCH_CHECK(fs::is_directory(dir), "zeroshard checkpoint: '", dir, "' is not a directory");
+  // A path that is itself a checkpoint (it has a manifest) is accepted as well as its parent.
+  const bool isCheckpoint = !tag && fs::exists(fs::path(dir) / kManifestFile);
+  const std::string resolved = isCheckpoint ? "" : tag ? *tag : readLatestTag(dir);
+  if (!isCheckpoint) checkTag(resolved);
+  path_ = isCheckpoint ? dir : checkpointPath(dir, resolved);
+  const std::string manifestPath = (fs::path(path_) / kManifestFile).string();
+  manifest_ = CheckpointManifest::fromJsonText(readManifestText(manifestPath, path_), manifestPath);
+  for (size_t i = 0; i < manifest_.params.size(); ++i) paramIndex_[manifest_.params[i].name] = i;
+}
+
+const SavedParam* CheckpointReader::findParam(const std::string& name) const {
+  auto it = paramIndex_.find(name);
+  return it == paramIndex_.end() ? nullptr : &manifest_.params[it->second];
+}
+
+SafetensorsReader& CheckpointReader::rankFile(int rank) {
+  auto it = std::find_if(rankFiles_.begin(), rankFiles_.end(), [&](const auto& f) { return f.first == rank; });
+  if (it != rankFiles_.end()) {
+    std::rotate(it, it + 1, rankFiles_.end());  // now the most recently used
+    return *rankFiles_.back().second;
+  }
+  if (rankFiles_.size() == kOpenRankFiles) rankFiles_.erase(rankFiles_.begin());
+  const std::string name = CheckpointManifest::rankFileName(rank);
+  rankFiles_.emplace_back(rank, std::make_unique<SafetensorsReader>((fs::path(path_) / name).string(),
+                                                                    manifest_.file(name)));
+  return *rankFiles_.back().second;
+}
+
+void CheckpointReader::readParam(const SavedParam& param, const std::string& kind, int64_t begin, int64_t end,
+                                 float* out) {
+  TORCH_CHECK(begin >= 0 && begin <= end && end <= param.numel(), "zeroshard checkpoint: elements [", begin, ", ",
+              end, ") of '", param.name, "' are outside its ", param.numel());
+  const int64_t shard = manifest_.buffers.at(param.buffer).shardNumel;
+  const std::string tensor = CheckpointManifest::stateTensorName(param.buffer, kind);
+  // The parameter's range of the saved flat buffer, cut at the saved ranks' shard boundaries.
+  int64_t flat = param.offset + begin;
+  const int64_t flatEnd = param.offset + end;
+  while (flat < flatEnd) {
+    const int rank = static_cast<int>(flat / shard);
+    const int64_t within = flat - static_cast<int64_t>(rank) * shard;
+    const int64_t count = std::min(flatEnd - flat, shard - within);
+    auto& file = rankFile(rank);
+    TORCH_CHECK(file.entry(tensor).dtype == at::kFloat, "zeroshard checkpoint: '", tensor, "' is not float32");
+    file.readElements(tensor, within, count, out);
+    out += count;
+    flat += count;
+  }
+}
+
+at::Tensor CheckpointReader::readParam(const std::string& name) {
+  const SavedParam* param = findParam(name);
+  TORCH_CHECK(param, "zeroshard checkpoint '", path_, "' has no parameter '", name, "'");
+  at::Tensor out = at::empty(param->shape, at::TensorOptions().dtype(at::kFloat));
+  readParam(*param, "master", 0, param->numel(), out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor CheckpointReader::readModuleState(const std::string& name) {
+  if (!moduleState_) {
+    moduleState_ = std::make_unique<SafetensorsReader>((fs::path(path_) / kModuleStateFile).string(),
+                                                       manifest_.file(kModuleStateFile));
+  }
+  return moduleState_->read(name);
+}
+
+std::string CheckpointReader::readClientState() {
+  if (!manifest_.hasFile(kClientStateFile)) return {};
+  return readCheckedFile((fs::path(path_) / kClientStateFile).string(), manifest_.file(kClientStateFile));
+}
+
+std::vector<std::string> CheckpointReader::stateDictNames() const {
+  if (!manifest_.stateDictKeys.empty()) return manifest_.stateDictKeys;
+  std::vector<std::string> names;
+  for (const auto& p : manifest_.params) names.push_back(p.name);
+  for (const auto& [alias, target] : manifest_.aliases) names.push_back(alias);
+  for (const auto& t : manifest_.moduleState) names.push_back(t.name);
+  return names;
+}
+
+const SavedParam* CheckpointReader::paramOfStateDictEntry(const std::string& name) const {
+  if (const SavedParam* param = findParam(name)) return param;
+  for (const auto& [alias, target] : manifest_.aliases) {
+    if (alias == name) return findParam(target);
+  }
+  return nullptr;
+}
+
+at::Tensor CheckpointReader::readStateDictEntry(const std::string& name) {
+  const SavedParam* param = paramOfStateDictEntry(name);
+  return param ? readParam(param->name) : readModuleState(name);
+}
+
+} // namespace zeroshard

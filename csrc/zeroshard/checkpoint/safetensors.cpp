@@ -1,0 +1,165 @@
+#include "zeroshard/checkpoint/safetensors.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+
+namespace zeroshard {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// Each dtype a checkpoint may hold: its safetensors name and the name torch prints.
+struct DtypeNames {
+  at::ScalarType type;
+  const char* safetensors;
+  const char* torch;
+};
+constexpr DtypeNames kDtypes[] = {
+    {at::kFloat, "F32", "float32"}, {at::kBFloat16, "BF16", "bfloat16"}, {at::kHalf, "F16", "float16"},
+    {at::kDouble, "F64", "float64"}, {at::kLong, "I64", "int64"},         {at::kInt, "I32", "int32"},
+    {at::kShort, "I16", "int16"},   {at::kChar, "I8", "int8"},            {at::kByte, "U8", "uint8"},
+    {at::kBool, "BOOL", "bool"},
+};
+
+const DtypeNames& namesOf(at::ScalarType dtype) {
+  for (const auto& names : kDtypes) {
+    if (names.type == dtype) return names;
+  }
+  TORCH_CHECK(false, "zeroshard: dtype ", dtype, " cannot be saved");
+}
+
+at::ScalarType dtypeNamed(const std::string& name, const char* DtypeNames::*field) {
+  for (const auto& names : kDtypes) {
+    if (name == names.*field) return names.type;
+  }
+  TORCH_CHECK(false, "zeroshard: unknown or unsupported dtype '", name, "'");
+}
+
+// Header lengths beyond this are not a safetensors file (the format's own reader caps them).
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+
+} // namespace
+
+int64_t TensorEntry::numel() const {
+  return c10::multiply_integers(shape);
+}
+
+std::string safetensorsDtype(at::ScalarType dtype) { return namesOf(dtype).safetensors; }
+
+at::ScalarType dtypeFromSafetensors(const std::string& name) { return dtypeNamed(name, &DtypeNames::safetensors); }
+
+std::string dtypeName(at::ScalarType dtype) { return namesOf(dtype).torch; }
+
+at::ScalarType dtypeFromName(const std::string& name) { return dtypeNamed(name, &DtypeNames::torch); }
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorEntry> entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : file_(path), entries_(std::move(entries)) {
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  int64_t offset = 0;
+  for (auto& e : entries_) {
+    TORCH_CHECK(!header.contains(e.name), "zeroshard: tensor '", e.name, "' written twice to '", path, "'");
+    e.begin = offset;
+    e.end = offset + e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
+    offset = e.end;
+    header[e.name] = {{"dtype", safetensorsDtype(e.dtype)}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
+  }
+  std::string text = header.dump();
+  // Padded with spaces so the data starts 8-byte aligned, as the reference writer does.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t length = text.size();
+  unsigned char prefix[8];
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(length >> (8 * i));
+  file_.write(prefix, sizeof(prefix));
+  file_.write(text.data(), text.size());
+}
+
+void SafetensorsWriter::write(const at::Tensor& tensor) {
+  TORCH_CHECK(next_ < entries_.size(), "zeroshard: more tensors than the safetensors header announced");
+  const TensorEntry& e = entries_[next_++];
+  TORCH_CHECK(tensor.scalar_type() == e.dtype && tensor.numel() == e.numel(), "zeroshard: tensor '", e.name, "' is ",
+              tensor.scalar_type(), " with ", tensor.numel(), " elements, the header says ", e.dtype, " with ",
+              e.numel());
+  const at::Tensor cpu = tensor.device().is_cpu() ? tensor.contiguous() : tensor.to(at::kCPU).contiguous();
+  file_.write(cpu.data_ptr(), cpu.nbytes());
+}
+
+FileDigest SafetensorsWriter::finish(const std::string& name) {
+  TORCH_CHECK(next_ == entries_.size(), "zeroshard: safetensors file '", name, "' got ", next_, " of the ",
+              entries_.size(), " tensors its header announced");
+  return file_.finish(name);
+}
+
+SafetensorsReader::SafetensorsReader(const std::string& path, FileDigest expected)
+    : file_(path, std::move(expected)) {
+  TORCH_CHECK(file_.size() >= 8, "zeroshard: '", path, "' is too short to be a safetensors file");
+  unsigned char prefix[8];
+  file_.read(0, 8, prefix);
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(prefix[i]) << (8 * i);
+  TORCH_CHECK(length <= kMaxHeaderBytes && static_cast<int64_t>(length) + 8 <= file_.size(), "zeroshard: '", path,
+              "' has a header length of ", length, " bytes, which does not fit the file");
+  std::string text(length, '\0');
+  file_.read(8, static_cast<int64_t>(length), text.data());
+  dataStart_ = 8 + static_cast<int64_t>(length);
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(header.is_object(), "zeroshard: the safetensors header of '", path, "' is not a JSON object");
+  try {
+    for (const auto& [name, value] : header.items()) {
+      if (name == "__metadata__") {
+        metadata_ = value.get<std::map<std::string, std::string>>();
+        continue;
+      }
+      TensorEntry e;
+      e.name = name;
+      e.dtype = dtypeFromSafetensors(value.at("dtype").get<std::string>());
+      e.shape = value.at("shape").get<std::vector<int64_t>>();
+      e.begin = value.at("data_offsets").at(0).get<int64_t>();
+      e.end = value.at("data_offsets").at(1).get<int64_t>();
+      TORCH_CHECK(e.begin >= 0 && e.end - e.begin == e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype)) &&
+                      dataStart_ + e.end <= file_.size(),
+                  "zeroshard: tensor '", name, "' in '", path, "' has byte range [", e.begin, ", ", e.end,
+                  ") that does not match its shape or the file");
+      index_[name] = entries_.size();
+      entries_.push_back(std::move(e));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is malformed: ", e.what());
+  }
+}
+
+const TensorEntry& SafetensorsReader::entry(const std::string& name) const {
+  auto it = index_.find(name);
+  TORCH_CHECK(it != index_.end(), "zeroshard: tensor '", name, "' is not in '", file_.path(), "'");
+  return entries_[it->second];
+}
+
+void SafetensorsReader::readElements(const std::string& name, int64_t first, int64_t count, void* out) {
+  const TensorEntry& e = entry(name);
+  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= e.numel(), "zeroshard: elements [", first, ", ",
+              first + count, ") of '", name, "' in '", file_.path(), "' are outside its ", e.numel());
+  const int64_t size = static_cast<int64_t>(c10::elementSize(e.dtype));
+  file_.read(dataStart_ + e.begin + first * size, count * size, out);
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) {
+  const TensorEntry& e = entry(name);
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  readElements(name, 0, e.numel(), out.data_ptr());
+  return out;
+}
+
+} // namespace zeroshard

@@ -1,0 +1,120 @@
+#include "zeroshard/comm/process_group.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+// Note [gloo headers]: the torch wheel ships ProcessGroupGloo.hpp but not the gloo headers it
+// includes; the build takes those declarations from Debian's libgloo-dev. Only out-of-line
+// members of ProcessGroupGloo are called here (Options::create_default, the constructor),
+// so the code that runs is the Gloo inside libtorch_cpu, never libgloo.
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef ZEROSHARD_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <string>
+
+namespace zeroshard {
+namespace {
+
+constexpr const char* kLaunchHint =
+    " (launch with `torchrun --nproc-per-node N --no-python ./program`, or set RANK, WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT yourself)";
+
+std::string requireVar(const char* name) {
+  const char* value = std::getenv(name);
+  TORCH_CHECK(value != nullptr && *value != '\0', "zeroshard: environment variable ", name, " is not set",
+              kLaunchHint);
+  return value;
+}
+
+int parseInt(const char* name, const std::string& text, int low, int high) {
+  size_t used = 0;
+  long value = 0;
+  try {
+    value = std::stol(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == text.size() && !text.empty(), "zeroshard: environment variable ", name, "=\"", text,
+              "\" is not an integer", kLaunchHint);
+  TORCH_CHECK(value >= low && value <= high, "zeroshard: environment variable ", name, "=", value,
+              " is out of range [", low, ", ", high, "]");
+  return static_cast<int>(value);
+}
+
+} // namespace
+
+LaunchEnv readLaunchEnv() {
+  LaunchEnv env;
+  env.worldSize = parseInt("WORLD_SIZE", requireVar("WORLD_SIZE"), 1, 1 << 20);
+  env.rank = parseInt("RANK", requireVar("RANK"), 0, env.worldSize - 1);
+  const char* local = std::getenv("LOCAL_RANK");
+  env.localRank = local && *local ? parseInt("LOCAL_RANK", local, 0, env.worldSize - 1) : env.rank;
+  const char* localWorld = std::getenv("LOCAL_WORLD_SIZE");
+  env.localWorldSize =
+      localWorld && *localWorld ? parseInt("LOCAL_WORLD_SIZE", localWorld, 1, env.worldSize) : env.worldSize;
+  env.masterAddr = requireVar("MASTER_ADDR");
+  env.masterPort = parseInt("MASTER_PORT", requireVar("MASTER_PORT"), 1, 65535);
+  return env;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::milliseconds timeout) {
+  const LaunchEnv env = readLaunchEnv();
+
+  c10d::TCPStoreOptions storeOptions;
+  storeOptions.port = static_cast<uint16_t>(env.masterPort);
+  // Under torchrun the agent already serves the store on MASTER_PORT; the ranks are all clients.
+  const char* agentStore = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  storeOptions.isServer = env.rank == 0 && !(agentStore && std::string(agentStore) == "True");
+  storeOptions.numWorkers = env.worldSize;
+  storeOptions.waitWorkers = false;
+  storeOptions.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, storeOptions);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "zeroshard: rank ", env.rank, " could not reach the rendezvous store at ", env.masterAddr,
+                ":", env.masterPort, ": ", e.what());
+  }
+
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.worldSize);
+
+  auto glooOptions = c10d::ProcessGroupGloo::Options::create_default(timeout);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("gloo", store), env.rank, env.worldSize, glooOptions);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+
+#ifdef ZEROSHARD_WITH_NCCL
+  // One GPU per local rank, picked by LOCAL_RANK. With fewer GPUs than local ranks every rank
+  // stays on Gloo and CPU tensors (the decision must be the same on all of them), as
+  // zeroshard.init_distributed does in Python.
+  if (at::hasCUDA() && env.localWorldSize <= static_cast<int>(c10::cuda::device_count())) {
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.localRank));
+    auto ncclOptions = c10d::ProcessGroupNCCL::Options::create();
+    ncclOptions->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        c10::make_intrusive<c10d::PrefixStore>("nccl", store), env.rank, env.worldSize, ncclOptions);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  } else if (at::hasCUDA()) {
+    TORCH_WARN_ONCE("zeroshard: ", env.localWorldSize, " ranks on this machine but ",
+                    static_cast<int>(c10::cuda::device_count()),
+                    " visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
+                    "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.");
+  }
+#else
+  if (at::hasCUDA()) {
+    TORCH_WARN_ONCE("zeroshard was built without NCCL; CUDA tensors cannot be communicated. "
+                    "Rebuild against a CUDA build of torch.");
+  }
+#endif
+  return group;
+}
+
+} // namespace zeroshard

@@ -1,0 +1,128 @@
+#pragma once
+
+// The training configuration: DeepSpeed's ds_config.json keys, read into typed, validated
+// fields. Reading never touches torch, so this header and config*.cpp compile in seconds.
+//
+// Contract: a Config that fromJsonString/fromFile returned holds only values in range; every
+// problem is a ConfigError whose message starts with "zeroshard config (<source>): " and names
+// the key path, the value given and what is allowed. Known DeepSpeed keys that zeroshard does
+// not implement are not errors: each becomes one entry of Config::warnings.
+// docs/config.md is the reference for every key.
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+// Derives from std::invalid_argument so that pybind11 turns it into a Python ValueError.
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// The three batch sizes, all resolved for one world size: train == microPerRank *
+// accumulationSteps * world size.
+struct BatchSizes {
+  int64_t train;
+  int64_t microPerRank;
+  int64_t accumulationSteps;
+};
+
+// "fp16": dynamic loss scaling unless lossScale > 0.
+struct Fp16Config {
+  bool enabled = false;
+  double lossScale = 0;  // 0 = dynamic
+  int64_t initialScalePower = 16;
+  int64_t lossScaleWindow = 1000;
+  int64_t hysteresis = 2;
+  double minLossScale = 1;
+};
+
+// "bf16" (DeepSpeed also accepts the alias "bfloat16").
+struct Bf16Config {
+  bool enabled = false;
+};
+
+// "optimizer": always decoupled-weight-decay AdamW; "Adam" is read as AdamW, as DeepSpeed does
+// with its default adam_w_mode=true, and stored as "AdamW".
+struct OptimizerConfig {
+  std::string type = "AdamW";
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weightDecay = 0.01;
+};
+
+// "zero_optimization". Sizes count elements, not bytes, as in DeepSpeed.
+struct ZeroConfig {
+  int64_t stage = 0;
+  int64_t reduceBucketSize = 500000000;
+  int64_t allgatherBucketSize = 500000000;
+  std::optional<bool> overlapComm;  // unset: the stage decides, see overlapCommResolved()
+  // contiguous_gradients is read but has no field: gradients are always contiguous here (stages
+  // 0 and 1 accumulate into one flat buffer, stages 2 and 3 copy each final gradient into a flat
+  // staging buffer), so `false` is a warning (docs/config.md).
+  int64_t stage3PrefetchBucketSize = 50000000;  // 0 = no prefetch
+  int64_t stage3ParamPersistenceThreshold = 100000;
+  int64_t stage3MaxLiveParameters = 1000000000;
+
+  // DeepSpeed's default: overlap at stage 3, not below.
+  bool overlapCommResolved() const;
+};
+
+// "zeroshard": keys DeepSpeed does not have.
+struct ZeroshardExtras {
+  double collectiveTimeoutSeconds = 600;
+  // Stage 3: free a unit's gathered parameters after its forward (false keeps them until its
+  // backward: fewer all-gathers, more memory, like FSDP's reshard_after_forward=False).
+  bool reshardAfterForward = true;
+  // Stage 3: module class names whose instances are units; empty = the children of the
+  // model's largest nn.ModuleList (the usual transformer blocks).
+  std::vector<std::string> unitClasses;
+  // With bf16/fp16: "compute" reduces gradients in the compute dtype (half the bytes on the
+  // wire), "fp32" in float32 (exact sums, twice the bytes).
+  std::string reduceDtype = "compute";
+  // save_checkpoint keeps this many complete checkpoints in its directory (the newest ones),
+  // removing older ones only once the new one is complete; 0 keeps all.
+  int64_t checkpointKeepLast = 2;
+  // Gradient reductions in flight at once during backward (overlap_comm on): launching one more
+  // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
+  // one being filled exist (as FSDP2 bounds its reduce-scatter states).
+  int64_t maxInflightReductions = 2;
+};
+
+struct Config {
+  // Unset batch sizes are derived by batchSizes() once the world size is known.
+  std::optional<int64_t> trainBatchSize;
+  std::optional<int64_t> trainMicroBatchSizePerGpu;
+  std::optional<int64_t> gradientAccumulationSteps;
+  double gradientClipping = 0;  // max global grad norm; 0 = no clipping
+  Fp16Config fp16;
+  Bf16Config bf16;
+  OptimizerConfig optimizer;
+  ZeroConfig zero;
+  ZeroshardExtras extras;
+
+  std::string source;                 // file path, "<string>" or "<dict>"; starts every message
+  std::vector<std::string> warnings;  // one per known DeepSpeed key that is ignored
+
+  // Parses and validates. Throws ConfigError.
+  static Config fromJsonString(const std::string& text, const std::string& source = "<string>");
+  // Reads the file, then as fromJsonString with the path as source. Throws ConfigError, also
+  // for a missing or unreadable file.
+  static Config fromFile(const std::string& path);
+
+  // DeepSpeed's batch-size rules for `worldSize` ranks: the set sizes must agree, the unset
+  // ones are derived and must divide exactly. Throws ConfigError.
+  BatchSizes batchSizes(int64_t worldSize) const;
+
+  // Every resolved field under its DeepSpeed key (unset batch sizes are left out; overlap_comm
+  // is written resolved). fromJsonString(toJsonString()) gives back the same values.
+  std::string toJsonString() const;
+};
+
+}  // namespace zeroshard

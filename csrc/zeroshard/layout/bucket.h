@@ -1,0 +1,86 @@
+// A run of parameters that share one FlatLayout: the unit the gradient reducer reduces and the
+// engine all-gathers, one collective per bucket (at stage 3, one unit).
+//
+// On construction the parameters' data moves into one padded flat buffer and every parameter
+// becomes a view of it: the Parameter objects the model holds keep their identity.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/layout/flat_layout.h"
+
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+class Bucket {
+ public:
+  // paramGroups[i]: the optimizer param group of params[i] (one group per bucket at stages
+  // 0-2; a stage-3 unit may mix groups).
+  // The parameters must be float32: they seed the fp32 master weights. With a 16-bit
+  // `computeDtype` the parameters become views of a flat buffer of that dtype, and the fp32
+  // values are kept apart as the master copy (never rounded through the 16-bit copy).
+  Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
+         int rank, int worldSize, at::ScalarType computeDtype = at::kFloat);
+
+  const FlatLayout& layout() const { return layout_; }
+  int paramGroup() const { return paramGroups_.front(); }
+  int paramGroupOf(size_t param) const { return paramGroups_.at(param); }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  size_t size() const { return params_.size(); }
+
+  // The full flat parameters (padded), and this rank's slice of them: a view of the full
+  // buffer, or its own storage after detachShard().
+  const at::Tensor& flatParams() const { return flatParams_; }
+  at::Tensor paramShard() const;
+
+  // Stage 3. detachShard() copies this rank's slice into its own storage, so that the full
+  // buffer can be released (the parameters keep their identity and shapes, their storage
+  // becomes empty) and materialized again (contents undefined until an all-gather fills it).
+  void detachShard();
+  void releaseFlatParams();
+  void materializeFlatParams();
+
+  // The fp32 weights the optimizer updates: the full buffer (stage 0) or this rank's slice. In
+  // fp32 training they are the parameters' own storage; otherwise a separate copy that
+  // pushMasterToParams() casts back into the parameters after each step.
+  void keepMaster(bool sharded);
+  at::Tensor master() const;
+  void pushMasterToParams();
+  int64_t separateMasterBytes() const { return master_.defined() ? static_cast<int64_t>(master_.nbytes()) : 0; }
+
+  // Stages 0 and 1 keep full gradients: one flat buffer whose views are the params' .grad,
+  // so autograd accumulates straight into it.
+  void allocateFlatGrads();
+  const at::Tensor& flatGrads() const { return flatGrads_; }
+  at::Tensor flatGradShard() const;
+  // Points every param's .grad back at its view (after a user set .grad to None).
+  void attachGradViews();
+
+  // Stages 2 and 3 keep only this rank's gradient shard, accumulated across micro-batches.
+  void allocateGradShard(at::ScalarType dtype);
+  const at::Tensor& gradShard() const { return gradShard_; }
+
+  // Stage 2: a full-size buffer the params' gradients are copied into as they become final,
+  // reduce-scattered, then released.
+  at::Tensor& staging() { return staging_; }
+
+  // Copies each parameter's current .grad into `flat` at its place (zeros elsewhere).
+  void copyGradsInto(const at::Tensor& flat, size_t param) const;
+
+ private:
+  FlatLayout layout_;
+  std::vector<int> paramGroups_;
+  int rank_;
+  std::vector<at::Tensor> params_;
+  at::Tensor flatParams_;
+  at::Tensor shard_;
+  at::Tensor master_;  // fp32, only when the parameters are 16-bit
+  bool shardedMaster_ = false;
+  at::Tensor flatGrads_;
+  at::Tensor gradShard_;
+  at::Tensor staging_;
+};
+
+} // namespace zeroshard

@@ -1,0 +1,43 @@
+#include "zeroshard/optim/loss_scaler.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace zeroshard {
+
+LossScaler::LossScaler(const Fp16Config& config)
+    : dynamic_(config.lossScale == 0),
+      scale_(config.lossScale == 0 ? std::ldexp(1.0, static_cast<int>(config.initialScalePower)) : config.lossScale),
+      minScale_(config.minLossScale),
+      window_(config.lossScaleWindow),
+      hysteresis_(config.hysteresis),
+      hysteresisLeft_(config.hysteresis) {}
+
+void LossScaler::update(bool overflow) {
+  if (dynamic_) {
+    if (overflow) {
+      if (hysteresisLeft_ <= 1) {
+        scale_ = std::max(scale_ / 2.0, minScale_);
+      } else {
+        --hysteresisLeft_;
+      }
+      lastOverflowIteration_ = iteration_;
+    } else {
+      const int64_t stable = iteration_ - lastOverflowIteration_ - 1;
+      if (stable > 0 && stable % window_ == 0) {
+        hysteresisLeft_ = hysteresis_;
+        scale_ *= 2.0;
+      }
+    }
+  }
+  ++iteration_;
+}
+
+void LossScaler::restore(const State& state) {
+  scale_ = state.scale;
+  hysteresisLeft_ = state.hysteresisLeft;
+  iteration_ = state.iteration;
+  lastOverflowIteration_ = state.lastOverflowIteration;
+}
+
+} // namespace zeroshard

@@ -1,0 +1,174 @@
+#include "zeroshard/optim/optimizer.h"
+
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+int ShardedAdamW::addGroup(const AdamWHyper& hyper) {
+  TORCH_CHECK(hyper.lr >= 0, "zeroshard AdamW: lr must be >= 0, got ", hyper.lr);
+  TORCH_CHECK(hyper.eps > 0, "zeroshard AdamW: eps must be > 0, got ", hyper.eps);
+  TORCH_CHECK(hyper.beta1 >= 0 && hyper.beta1 < 1 && hyper.beta2 >= 0 && hyper.beta2 < 1,
+              "zeroshard AdamW: betas must be in [0, 1), got (", hyper.beta1, ", ", hyper.beta2, ")");
+  TORCH_CHECK(hyper.weightDecay >= 0, "zeroshard AdamW: weight_decay must be >= 0, got ", hyper.weightDecay);
+  Group group;
+  group.hyper = hyper;
+  groups_.push_back(std::move(group));
+  return static_cast<int>(groups_.size()) - 1;
+}
+
+size_t ShardedAdamW::addShard(int group, const at::Tensor& master, const at::Tensor& grad) {
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "zeroshard AdamW: master weights must be float32");
+  TORCH_CHECK(at::isFloatingType(grad.scalar_type()), "zeroshard AdamW: gradients must be floating point");
+  TORCH_CHECK(master.sizes() == grad.sizes(), "zeroshard AdamW: master and gradient shards differ in size");
+  auto& g = groups_.at(group);
+  g.masters.push_back(master);
+  g.grads.push_back(grad);
+  g.expAvgs.push_back(at::zeros_like(master));
+  g.expAvgSqs.push_back(at::zeros_like(master));
+  g.steps.push_back(at::full({}, static_cast<double>(steps_), master.options()));
+  return g.masters.size() - 1;
+}
+
+ShardedAdamW::ShardState ShardedAdamW::shardState(int group, size_t index) const {
+  const auto& g = groups_.at(group);
+  return {g.masters.at(index), g.expAvgs.at(index), g.expAvgSqs.at(index)};
+}
+
+void ShardedAdamW::setStepCount(int64_t steps) {
+  TORCH_CHECK(steps >= 0, "zeroshard AdamW: step count must be >= 0, got ", steps);
+  steps_ = steps;
+  for (auto& g : groups_) {
+    for (auto& s : g.steps) s.fill_(static_cast<double>(steps));
+  }
+}
+
+// Note [fp32 gradients one shard at a time]: AdamW, the overflow check and the norm work on
+// fp32 gradients. With 16-bit gradients, converting every shard up front would hold 4 more
+// bytes per element of this rank's shards until the step ends (a quarter of the 16 bytes per
+// parameter of model state). Instead each shard is converted when it is needed and dropped
+// right after, and the multiplications of the step (the fp16 unscale, the clipping factor) are
+// applied to each conversion in the order they were asked for, so the values are bit for bit
+// those of converting once: at most one shard's fp32 copy exists at a time.
+void ShardedAdamW::prepareGrads() {
+  pendingFactors_.clear();
+  liveConvertedBytes_ = 0;
+  peakConvertedBytes_ = 0;
+  for (auto& g : groups_) {
+    g.prepared.clear();
+    for (const auto& grad : g.grads) g.prepared.push_back(grad.scalar_type() == at::kFloat ? grad : at::Tensor());
+  }
+}
+
+at::Tensor ShardedAdamW::fp32Grad(const Group& g, size_t i) {
+  if (g.prepared[i].defined()) return g.prepared[i];
+  auto grad = g.grads[i].to(at::kFloat);
+  for (const auto& factor : pendingFactors_) grad.mul_(factor);
+  liveConvertedBytes_ += static_cast<int64_t>(grad.nbytes());
+  peakConvertedBytes_ = std::max(peakConvertedBytes_, liveConvertedBytes_);
+  return grad;
+}
+
+void ShardedAdamW::dropConverted(const at::Tensor& grad) {
+  liveConvertedBytes_ -= static_cast<int64_t>(grad.nbytes());
+}
+
+at::Tensor ShardedAdamW::unscaleAndFindNonFinite(double inverseScale, const at::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  // One flag for every shard: the kernel only ever sets it to 1.
+  auto found = at::zeros({1}, options);
+  const auto inverse = at::full({}, inverseScale, options);
+  for (auto& g : groups_) {
+    std::vector<at::Tensor> inPlace;
+    for (size_t i = 0; i < g.prepared.size(); ++i) {
+      if (g.prepared[i].defined()) {
+        inPlace.push_back(g.prepared[i]);
+      } else {
+        // Checked (and unscaled) in a copy; later conversions apply the same factor.
+        auto grad = fp32Grad(g, i);
+        at::_amp_foreach_non_finite_check_and_unscale_({grad}, found, inverse);
+        dropConverted(grad);
+      }
+    }
+    if (!inPlace.empty()) at::_amp_foreach_non_finite_check_and_unscale_(inPlace, found, inverse);
+  }
+  pendingFactors_.push_back(inverse);
+  return found;
+}
+
+void ShardedAdamW::discardPrepared() {
+  for (auto& g : groups_) g.prepared.clear();
+  pendingFactors_.clear();
+}
+
+at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
+  at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (auto& g : groups_) {
+    for (size_t i = 0; i < g.prepared.size(); ++i) {
+      // Each shard's norm in fp32 (a reduction that makes no copy; casting a shard to double
+      // first would hold 8 bytes per element for the moment), squared and summed in double.
+      const bool converted = !g.prepared[i].defined();
+      auto grad = fp32Grad(g, i);
+      sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square());
+      if (converted) dropConverted(grad);
+    }
+  }
+  return sum;
+}
+
+void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
+  for (auto& g : groups_) {
+    for (auto& grad : g.prepared) {
+      if (grad.defined()) grad.mul_(factor);
+    }
+  }
+  pendingFactors_.push_back(factor);
+}
+
+void ShardedAdamW::step() {
+  ++steps_;
+  for (auto& g : groups_) {
+    if (g.masters.empty()) continue;
+    TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
+    // The fused kernel reads the step it is given; torch.optim increments it first too.
+    for (auto& s : g.steps) s.add_(1);
+    const auto& hp = g.hyper;
+    const bool allFp32 = std::all_of(g.prepared.begin(), g.prepared.end(), [](const at::Tensor& t) { return t.defined(); });
+    if (allFp32) {
+      at::_fused_adamw_(g.masters, g.prepared, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, hp.lr, hp.beta1,
+                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false);
+    } else {
+      // Note [fp32 gradients one shard at a time]. The kernel treats every tensor of its lists
+      // on its own, so a call per shard computes what one call for the group would.
+      for (size_t i = 0; i < g.masters.size(); ++i) {
+        const bool converted = !g.prepared[i].defined();
+        auto grad = fp32Grad(g, i);
+        at::_fused_adamw_({g.masters[i]}, {grad}, {g.expAvgs[i]}, {g.expAvgSqs[i]}, /*max_exp_avg_sqs=*/{},
+                          {g.steps[i]}, hp.lr, hp.beta1, hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false,
+                          /*maximize=*/false);
+        if (converted) dropConverted(grad);
+      }
+    }
+    g.prepared.clear();
+  }
+  pendingFactors_.clear();
+}
+
+int64_t ShardedAdamW::stateBytes() const {
+  int64_t bytes = 0;
+  for (const auto& g : groups_) {
+    for (size_t i = 0; i < g.masters.size(); ++i) {
+      bytes += static_cast<int64_t>(g.expAvgs[i].nbytes() + g.expAvgSqs[i].nbytes());
+    }
+  }
+  return bytes;
+}
+
+} // namespace zeroshard

@@ -1,0 +1,54 @@
+// The sharding plan (csrc/zeroshard/plan/sharding_plan.*): the four stages as named plans, the
+// questions the engine asks, and the description people read.
+#include "catch.h"
+
+#include "zeroshard/config/config.h"
+#include "zeroshard/plan/sharding_plan.h"
+
+#include <stdexcept>
+#include <string>
+
+using zeroshard::Config;
+using zeroshard::ShardingPlan;
+
+TEST_CASE("each ZeRO stage is a plan that shards one more state than the stage below") {
+  struct Expected {
+    bool optimizer, grads, params;
+  };
+  const Expected expected[] = {{false, false, false}, {true, false, false}, {true, true, false}, {true, true, true}};
+  for (int stage = 0; stage <= 3; ++stage) {
+    const ShardingPlan plan = ShardingPlan::forStage(stage, 4);
+    INFO("stage " << stage);
+    CHECK(plan.stage() == stage);
+    CHECK(plan.optimizerSharded() == expected[stage].optimizer);
+    CHECK(plan.gradsSharded() == expected[stage].grads);
+    CHECK(plan.paramsSharded() == expected[stage].params);
+    CHECK(plan.shardGroupSize() == 4);
+    CHECK(plan.replicateGroupSize() == 1);
+    CHECK(plan.params().placement == zeroshard::Placement::kComputeDevice);
+  }
+}
+
+TEST_CASE("the plan comes from zero_optimization.stage") {
+  const Config config = Config::fromJsonString(R"({"zero_optimization": {"stage": 2}})");
+  const ShardingPlan plan = ShardingPlan::fromConfig(config, 2);
+  CHECK(plan.gradsSharded());
+  CHECK_FALSE(plan.paramsSharded());
+}
+
+TEST_CASE("describe gives one line per state naming its sharding and ranks and place") {
+  CHECK(ShardingPlan::forStage(3, 2, "cuda:0").describe() ==
+        "parameters: sharded over ranks 0-1 (2 shards), on cuda:0\n"
+        "gradients: sharded over ranks 0-1 (2 shards), on cuda:0\n"
+        "optimizer state: sharded over ranks 0-1 (2 shards), on cuda:0");
+  CHECK(ShardingPlan::forStage(1, 1).describe() ==
+        "parameters: replicated on rank 0 (every rank holds all of it), on cpu\n"
+        "gradients: replicated on rank 0 (every rank holds all of it), on cpu\n"
+        "optimizer state: sharded over rank 0 (1 shard), on cpu");
+}
+
+TEST_CASE("a stage outside 0-3 or an empty world is not a plan") {
+  CHECK_THROWS_AS(ShardingPlan::forStage(4, 2), std::invalid_argument);
+  CHECK_THROWS_AS(ShardingPlan::forStage(-1, 2), std::invalid_argument);
+  CHECK_THROWS_AS(ShardingPlan::forStage(1, 0), std::invalid_argument);
+}

@@ -5,7 +5,8 @@
 
 Trains a small transformer-like model (odd parameter sizes, one frozen-free param group split
 into decay / no decay) for 4 steps with gradient accumulation 2 and clipping, at stages 0-3 in
-fp32, bf16 and fp16, and records every rank's final weights (fp32 master and compute dtype),
+fp32, bf16 and fp16; then bf16 with zeroshard.reduce_dtype "fp32", and fp32 and bf16 with
+overlap_comm off and one micro-batch per step (16-bit gradient shards); and records every rank's final weights (fp32 master and compute dtype),
 memory_stats() and comm_stats(). --compare exits non-zero unless the two files are bitwise
 equal, naming the first difference. Use it around a refactor: run it with the previous
 commit's build (PYTHONPATH pointing at a copy of that zeroshard package) and with the new one.
@@ -47,15 +48,23 @@ class Model(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
 
 
-def _config(stage, precision):
+# (name, precision, gradient accumulation steps, overlap_comm, zeroshard section extras)
+VARIANTS = [(p, p, GAS, True, {}) for p in PRECISIONS] + [
+    ("bf16 reduce fp32", "bf16", GAS, True, {"reduce_dtype": "fp32"}),
+    ("fp32 no overlap gas 1", "fp32", 1, False, {}),
+    ("bf16 no overlap gas 1", "bf16", 1, False, {}),
+]
+
+
+def _config(stage, precision, gas, overlap, extras):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": GAS,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.05,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": overlap,
                               "stage3_param_persistence_threshold": 30},
-        "zeroshard": {"collective_timeout_seconds": 60},
+        "zeroshard": {"collective_timeout_seconds": 60, **extras},
     }
     if precision != "fp32":
         config[precision] = {"enabled": True}
@@ -70,20 +79,20 @@ def record(out_path):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     results = {}
-    for precision in PRECISIONS:
+    for name, precision, gas, overlap, extras in VARIANTS:
         for stage in STAGES:
             model = Model()
             decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
             no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-            engine = zeroshard.initialize(model, _config(stage, precision), param_groups=[
+            engine = zeroshard.initialize(model, _config(stage, precision, gas, overlap, extras), param_groups=[
                 {"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
             for step in range(STEPS):
-                tokens = torch.randint(0, 37, (MICRO * world * GAS, 9), generator=torch.Generator().manual_seed(step))
-                for m in range(GAS):
+                tokens = torch.randint(0, 37, (MICRO * world * gas, 9), generator=torch.Generator().manual_seed(step))
+                for m in range(gas):
                     start = (m * world + rank) * MICRO
                     engine.backward(model.loss(tokens[start:start + MICRO]))
                     engine.step()
-            results[f"{precision} stage {stage}"] = {
+            results[f"{name} stage {stage}"] = {
                 "weights": engine.full_state_dict(),
                 "master": engine.full_state_dict(dtype=torch.float32),
                 "memory_stats": engine.memory_stats(),

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "zeroshard/grad/grad_reducer.h"
+#include "zeroshard/grad/grad_storage.h"
 
 #include <algorithm>
 #include <chrono>
@@ -92,6 +93,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                                             config_.zero.stage3PrefetchBucketSize,
                                             config_.zero.stage3MaxLiveParameters);
   }
+  grads_ = GradStorage::forPlan(plan_, buckets_, comm_.rank(),
+                                {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"});
   registerShards();
   ReductionOptions reduction;
   // fp16 gradients are divided by the world size before they are summed, so the sum of many
@@ -101,27 +104,15 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   reduction.overlap = config_.zero.overlapCommResolved();
   reduction.maxInFlight = config_.extras.maxInflightReductions;
   if (units_) reduction.onLaunched = [this](size_t unit) { units_->afterGradReduce(unit); };
-  reducer_ = std::make_unique<GradReducer>(buckets_, comm_, plan_, std::move(reduction));
+  reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, comm_, std::move(reduction));
   comm_.resetStats();
 }
 
-// Note [gradient shard dtype]: the shard holds what the reduce-scatter delivers. With 16-bit
-// gradients on the wire and one micro-batch per step that is a 16-bit value already, so the
-// shard is 16-bit (DESIGN.md's 2 bytes of gradient); it is fp32 when it must accumulate several
-// micro-batches or receives fp32 sums (reduce_dtype "fp32").
-at::ScalarType Engine::gradShardDtype() const {
-  const bool accumulates = batchSizes_.accumulationSteps > 1;
-  const bool wideSums = config_.extras.reduceDtype == "fp32";
-  return accumulates || wideSums ? at::kFloat : computeDtype_;
-}
-
 void Engine::registerShards() {
-  for (auto& b : buckets_) {
+  for (size_t index = 0; index < buckets_.size(); ++index) {
+    const auto& b = buckets_[index];
+    const at::Tensor grad = grads_->optimizerGrad(index);
     auto& slots = slots_.emplace_back();
-    const auto whole = [&](const at::Tensor& grad) {
-      const int group = b.paramGroup();
-      slots.push_back({group, optimizer_.addShard(group, b.master(), grad), 0, b.master().numel()});
-    };
     if (plan_.paramsSharded()) {
       // Note [one optimizer slot per run]: a unit may mix param groups, so each run of
       // consecutive parameter pieces of one group in this rank's shard is one optimizer slot,
@@ -130,7 +121,6 @@ void Engine::registerShards() {
       // through its vector loop at both stages (a shard is a multiple of 16 elements), where a
       // slot per parameter would send each one's last elements through the scalar tail, which
       // rounds differently.
-      b.allocateGradShard(gradShardDtype());
       const auto pieces = b.layout().piecesInShard(rank());
       for (size_t i = 0; i < pieces.size();) {
         const int group = b.paramGroupOf(pieces[i].param);
@@ -138,26 +128,14 @@ void Engine::registerShards() {
         while (next < pieces.size() && b.paramGroupOf(pieces[next].param) == group) ++next;
         const int64_t begin = pieces[i].shardOffset;
         const int64_t end = next == pieces.size() ? b.layout().shardNumel() : pieces[next].shardOffset;
-        const size_t index = optimizer_.addShard(group, b.master().narrow(0, begin, end - begin),
-                                                 b.gradShard().narrow(0, begin, end - begin));
-        slots.push_back({group, index, begin, end - begin});
+        const size_t slot = optimizer_.addShard(group, b.master().narrow(0, begin, end - begin),
+                                                grad.narrow(0, begin, end - begin));
+        slots.push_back({group, slot, begin, end - begin});
         i = next;
       }
-    } else if (plan_.gradsSharded()) {
-      b.allocateGradShard(gradShardDtype());
-      whole(b.gradShard());
-    } else if (plan_.optimizerSharded()) {
-      b.allocateFlatGrads();
-      if (computeDtype_ != at::kFloat && config_.extras.reduceDtype == "fp32") {
-        // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
-        b.allocateGradShard(at::kFloat);
-        whole(b.gradShard());
-      } else {
-        whole(b.flatGradShard());
-      }
     } else {
-      b.allocateFlatGrads();
-      whole(b.flatGrads());
+      const int group = b.paramGroup();
+      slots.push_back({group, optimizer_.addShard(group, b.master(), grad), 0, b.master().numel()});
     }
   }
 }
@@ -313,14 +291,7 @@ void Engine::gatherParams() {
 }
 
 void Engine::zeroGrads() {
-  for (auto& b : buckets_) {
-    if (!plan_.gradsSharded()) {
-      b.flatGrads().zero_();
-    } else {
-      b.gradShard().zero_();
-    }
-  }
-  if (plan_.gradsSharded()) reducer_->markShardsEmpty();
+  grads_->zero();
 }
 
 MemoryStats Engine::memoryStats() const {
@@ -334,9 +305,8 @@ MemoryStats Engine::memoryStats() const {
     } else {
       stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
     }
-    if (b.flatGrads().defined()) stats.gradBytes += static_cast<int64_t>(b.flatGrads().nbytes());
-    if (b.gradShard().defined()) stats.gradBytes += static_cast<int64_t>(b.gradShard().nbytes());
   }
+  stats.gradBytes = grads_->bytes();
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   stats.stagingPeakBytes = lastPeakStagingBytes_;
   stats.fp32GradsPeakBytes = optimizer_.peakConvertedBytes();

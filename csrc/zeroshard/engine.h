@@ -36,6 +36,7 @@ class Module;
 namespace zeroshard {
 
 class GradReducer;
+class GradStorage;
 struct CheckpointManifest;
 
 // Stage 3: one unit of the model (e.g. one transformer block): the names of its parameters.
@@ -204,7 +205,6 @@ class Engine {
   void buildBuckets(std::vector<ParamGroupSpec>& groups);
   std::vector<UnitPolicy> buildUnits(const std::vector<ParamGroupSpec>& groups, const std::vector<UnitSpec>& units);
   void registerShards();
-  at::ScalarType gradShardDtype() const;
   void clipGradients();
   bool overflowed();
   void finishStep();
@@ -226,6 +226,7 @@ class Engine {
   BatchSizes batchSizes_;
   std::vector<Bucket> buckets_;
   ShardedAdamW optimizer_;
+  std::unique_ptr<GradStorage> grads_;  // before reducer_, which drives it
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<UnitScheduler> units_;
   std::vector<int> specToUnit_;

@@ -1,7 +1,5 @@
 #include "zeroshard/grad/grad_reducer.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -41,9 +39,9 @@ struct GradReducer::HookHandle {
   uintptr_t key;
 };
 
-GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, const ShardingPlan& plan,
+GradReducer::GradReducer(const std::vector<Bucket>& buckets, GradStorage& grads, Communicator& comm,
                          ReductionOptions options)
-    : buckets_(buckets), comm_(comm), plan_(plan), options_(std::move(options)) {
+    : buckets_(buckets), grads_(grads), comm_(comm), options_(std::move(options)) {
   TORCH_CHECK(options_.maxInFlight >= 1, "zeroshard: zeroshard.max_inflight_reductions must be >= 1, got ",
               options_.maxInFlight);
   for (const auto& b : buckets_) {
@@ -51,7 +49,6 @@ GradReducer::GradReducer(std::vector<Bucket>& buckets, Communicator& comm, const
   }
   readyCount_.assign(buckets_.size(), 0);
   launched_.assign(buckets_.size(), 0);
-  shardHasData_.assign(buckets_.size(), 0);
   registerHooks();
 }
 
@@ -79,11 +76,7 @@ void GradReducer::removeHooks() {
 }
 
 bool GradReducer::reducesThisBackward() const {
-  return plan_.gradsSharded() || boundary_;
-}
-
-void GradReducer::markShardsEmpty() {
-  shardHasData_.assign(buckets_.size(), 0);
+  return !grads_.accumulatesInPlace() || boundary_;
 }
 
 void GradReducer::beginBackward(bool boundary) {
@@ -94,38 +87,29 @@ void GradReducer::beginBackward(bool boundary) {
     std::fill(ready_[b].begin(), ready_[b].end(), 0);
     readyCount_[b] = 0;
     launched_[b] = 0;
-    if (!plan_.gradsSharded()) buckets_[b].attachGradViews();
+    grads_.beginBackward(buckets_[b], b);
   }
 }
 
 void GradReducer::onGradReady(size_t bucket, size_t param) {
-  auto& b = buckets_[bucket];
+  const auto& b = buckets_[bucket];
   TORCH_CHECK(inBackward_, "zeroshard: a gradient for '", b.layout().params()[param].name,
               "' arrived outside engine.backward(); call engine.backward(loss) instead of loss.backward()");
   if (ready_[bucket][param]) {
     // A leaf's gradient is accumulated once per backward, unless a nested backward (reentrant
-    // activation checkpointing) accumulates it again. Stages 0 and 1 add it to the flat
-    // gradients in place, which is fine until the bucket's reduction starts reading them.
-    TORCH_CHECK(!plan_.gradsSharded() && !launched_[bucket], "zeroshard: parameter '", b.layout().params()[param].name,
+    // activation checkpointing) accumulates it again. Full gradients (stages 0 and 1) take it
+    // in place, which is fine until the bucket's reduction starts reading them.
+    const bool inPlace = grads_.accumulatesInPlace();
+    TORCH_CHECK(inPlace && !launched_[bucket], "zeroshard: parameter '", b.layout().params()[param].name,
                 "' received a second gradient in one backward, after ",
-                !plan_.gradsSharded() ? "its bucket's reduction had started" : "it was reduced (stages 2 and 3 reduce each "
+                inPlace ? "its bucket's reduction had started" : "it was reduced (stages 2 and 3 reduce each "
                 "gradient as soon as it is final)",
                 ". A nested backward does this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
     return;
   }
   ready_[bucket][param] = 1;
   ++readyCount_[bucket];
-  if (plan_.gradsSharded()) {
-    // Copy the final gradient into the bucket's staging buffer and free it right away.
-    if (!b.staging().defined()) {
-      // Uninitialized: every parameter's region is written by its gradient, and launch()
-      // zeroes the regions of parameters that got none, and the padding.
-      b.staging() = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
-      countStaging(static_cast<int64_t>(b.staging().nbytes()));
-    }
-    b.copyGradsInto(b.staging(), param);
-    b.params()[param].mutable_grad() = at::Tensor();
-  }
+  grads_.gradReady(b, bucket, param, transient_);
   if (readyCount_[bucket] == b.size() && reducesThisBackward()) {
     launch(bucket);
   }
@@ -154,12 +138,12 @@ void GradReducer::retireOldest() {
   inFlight_.erase(inFlight_.begin());
 }
 
-void GradReducer::retire(InFlight& f) {
+void GradReducer::retire(StartedReduction& f) {
   f.handle.wait();
   if (f.then) f.then();
   f.then = nullptr;  // drops the buffers the completion captured
-  countStaging(-f.stagingBytes);
-  f.stagingBytes = 0;
+  transient_.add(-f.transientBytes);
+  f.transientBytes = 0;
 }
 
 // In launch order; each completion releases its staging buffer.
@@ -169,77 +153,12 @@ void GradReducer::retireAll() {
   for (auto& f : inFlight) retire(f);
 }
 
-void GradReducer::countStaging(int64_t bytes) {
-  liveStagingBytes_ += bytes;
-  peakStagingBytes_ = std::max(peakStagingBytes_, liveStagingBytes_);
-}
-
 void GradReducer::launch(size_t bucket) {
   retireCompleted();
   while (static_cast<int64_t>(inFlight_.size()) >= options_.maxInFlight) retireOldest();
-  auto& b = buckets_[bucket];
   launched_[bucket] = 1;
-  double mean = 1.0 / comm_.worldSize();
-  if (options_.preDivide && !plan_.gradsSharded()) {
-    b.flatGrads().mul_(mean);
-    mean = 1.0;
-  }
-  const bool widen = options_.reduceInFloat && b.flatParams().scalar_type() != at::kFloat;
-  if (!plan_.gradsSharded() && widen) {
-    // Sum in fp32. Stage 0 rounds the result into its 16-bit gradients once; stage 1
-    // reduce-scatters into the fp32 gradient shard the optimizer reads, unrounded, as stages 2
-    // and 3 do (so stages 1-3 give bitwise the same weights).
-    auto wide = b.flatGrads().to(at::kFloat);
-    const auto wideBytes = static_cast<int64_t>(wide.nbytes());
-    countStaging(wideBytes);
-    if (!plan_.optimizerSharded()) {
-      const at::Tensor& target = b.flatGrads();
-      inFlight_.push_back({comm_.allReduce(wide, mean), [target, wide]() mutable { target.copy_(wide); }, wideBytes});
-    } else {
-      TORCH_CHECK(b.gradShard().defined() && b.gradShard().scalar_type() == at::kFloat,
-                  "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
-      inFlight_.push_back({comm_.reduceScatter(wide, b.gradShard(), mean), [wide]() {}, wideBytes});
-    }
-  } else if (!plan_.optimizerSharded()) {
-    inFlight_.push_back({comm_.allReduce(b.flatGrads(), mean), {}});
-  } else if (!plan_.gradsSharded()) {
-    inFlight_.push_back({comm_.reduceScatter(b.flatGrads(), b.flatGradShard(), mean), {}});
-  } else {
-    if (!b.staging().defined()) {
-      b.staging() = at::zeros({b.layout().paddedNumel()}, b.flatParams().options());
-      countStaging(static_cast<int64_t>(b.staging().nbytes()));
-    } else {
-      const auto& layout = b.layout();
-      for (size_t i = 0; i < b.size(); ++i) {
-        if (!ready_[bucket][i]) b.staging().narrow(0, layout.params()[i].offset, layout.params()[i].numel).zero_();
-      }
-      b.staging().narrow(0, layout.numel(), layout.paddedNumel() - layout.numel()).zero_();
-    }
-    at::Tensor staging = std::move(b.staging());
-    b.staging() = at::Tensor();
-    if (widen) {  // the fp32 shard then takes the sum directly
-      const auto narrowBytes = static_cast<int64_t>(staging.nbytes());
-      staging = staging.to(at::kFloat);
-      countStaging(static_cast<int64_t>(staging.nbytes()));
-      countStaging(-narrowBytes);
-    }
-    const auto stagingBytes = static_cast<int64_t>(staging.nbytes());
-    if (options_.preDivide) {
-      staging.mul_(mean);
-      mean = 1.0;
-    }
-    const at::Tensor& shard = b.gradShard();
-    if (!shardHasData_[bucket] && staging.scalar_type() == shard.scalar_type()) {
-      // First micro-batch of the window: reduce straight into the shard.
-      inFlight_.push_back({comm_.reduceScatter(staging, shard, mean), [staging]() {}, stagingBytes});
-    } else {
-      auto partial = at::empty({b.layout().shardNumel()}, staging.options());
-      inFlight_.push_back({comm_.reduceScatter(staging, partial, mean),
-                           [staging, partial, shard]() mutable { shard.add_(partial); }, stagingBytes});
-    }
-    shardHasData_[bucket] = 1;
-    if (options_.onLaunched) options_.onLaunched(bucket);
-  }
+  inFlight_.push_back(grads_.reduce(buckets_[bucket], bucket, ready_[bucket], comm_, options_, transient_));
+  if (options_.onLaunched) options_.onLaunched(bucket);
   if (!options_.overlap) retireAll();
 }
 
@@ -265,7 +184,7 @@ void GradReducer::abortBackward() {
     } catch (const std::exception&) {
       // The autograd error is the one to report.
     }
-    countStaging(-f.stagingBytes);
+    transient_.add(-f.transientBytes);
   }
 }
 

@@ -105,39 +105,4 @@ void Bucket::materializeFlatParams() {
   storage->set_nbytes(bytes);
 }
 
-
-void Bucket::allocateFlatGrads() {
-  flatGrads_ = at::zeros({layout_.paddedNumel()}, flatParams_.options());
-  attachGradViews();
-}
-
-at::Tensor Bucket::flatGradShard() const {
-  const auto range = layout_.shardRange(rank_);
-  return flatGrads_.narrow(0, range.begin, range.numel());
-}
-
-void Bucket::attachGradViews() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& place = layout_.params()[i];
-    auto view = flatGrads_.narrow(0, place.offset, place.numel).view(place.shape);
-    auto& grad = params_[i].mutable_grad();
-    if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
-    if (grad.defined()) view.copy_(grad);  // keep what the user accumulated elsewhere
-    grad = view;
-  }
-}
-
-void Bucket::allocateGradShard(at::ScalarType dtype) {
-  gradShard_ = at::zeros({layout_.shardNumel()}, flatParams_.options().dtype(dtype));
-}
-
-void Bucket::copyGradsInto(const at::Tensor& flat, size_t param) const {
-  const auto& place = layout_.params()[param];
-  const auto& grad = params_[param].grad();
-  auto view = flat.narrow(0, place.offset, place.numel);
-  if (grad.defined()) {
-    view.copy_(grad.reshape({-1}));
-  }
-}
-
 } // namespace zeroshard

@@ -50,25 +50,6 @@ class Bucket {
   void pushMasterToParams();
   int64_t separateMasterBytes() const { return master_.defined() ? static_cast<int64_t>(master_.nbytes()) : 0; }
 
-  // Stages 0 and 1 keep full gradients: one flat buffer whose views are the params' .grad,
-  // so autograd accumulates straight into it.
-  void allocateFlatGrads();
-  const at::Tensor& flatGrads() const { return flatGrads_; }
-  at::Tensor flatGradShard() const;
-  // Points every param's .grad back at its view (after a user set .grad to None).
-  void attachGradViews();
-
-  // Stages 2 and 3 keep only this rank's gradient shard, accumulated across micro-batches.
-  void allocateGradShard(at::ScalarType dtype);
-  const at::Tensor& gradShard() const { return gradShard_; }
-
-  // Stage 2: a full-size buffer the params' gradients are copied into as they become final,
-  // reduce-scattered, then released.
-  at::Tensor& staging() { return staging_; }
-
-  // Copies each parameter's current .grad into `flat` at its place (zeros elsewhere).
-  void copyGradsInto(const at::Tensor& flat, size_t param) const;
-
  private:
   FlatLayout layout_;
   std::vector<int> paramGroups_;
@@ -78,9 +59,6 @@ class Bucket {
   at::Tensor shard_;
   at::Tensor master_;  // fp32, only when the parameters are 16-bit
   bool shardedMaster_ = false;
-  at::Tensor flatGrads_;
-  at::Tensor gradShard_;
-  at::Tensor staging_;
 };
 
 } // namespace zeroshard

@@ -1,0 +1,198 @@
+#include "zeroshard/grad/grad_storage.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+void TransientBytes::add(int64_t bytes) {
+  live_ += bytes;
+  peak_ = std::max(peak_, live_);
+}
+
+namespace {
+
+// Stages 0 and 1.
+class FullGradStorage final : public GradStorage {
+ public:
+  FullGradStorage(const std::vector<Bucket>& buckets, int rank, bool shardedOptimizer, bool wideShard)
+      : shardedOptimizer_(shardedOptimizer) {
+    for (const auto& b : buckets) {
+      const auto& flat = flat_.emplace_back(at::zeros({b.layout().paddedNumel()}, b.flatParams().options()));
+      const auto range = b.layout().shardRange(rank);
+      slice_.push_back(flat.narrow(0, range.begin, range.numel()));
+      // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
+      wideShard_.push_back(wideShard ? at::zeros({b.layout().shardNumel()}, b.flatParams().options().dtype(at::kFloat))
+                                     : at::Tensor());
+      attachViews(b, flat_.size() - 1);
+    }
+  }
+
+  bool accumulatesInPlace() const override { return true; }
+
+  at::Tensor optimizerGrad(size_t index) const override {
+    if (wideShard_[index].defined()) return wideShard_[index];
+    return shardedOptimizer_ ? slice_[index] : flat_[index];
+  }
+
+  void beginBackward(const Bucket& bucket, size_t index) override { attachViews(bucket, index); }
+
+  StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& /*ready*/,
+                          Communicator& comm, const ReductionOptions& options, TransientBytes& transient) override {
+    const at::Tensor& flat = flat_[index];
+    double mean = 1.0 / comm.worldSize();
+    if (options.preDivide) {
+      flat.mul_(mean);
+      mean = 1.0;
+    }
+    if (options.reduceInFloat && flat.scalar_type() != at::kFloat) {
+      // Sum in fp32. Stage 0 rounds the result into its 16-bit gradients once; stage 1
+      // reduce-scatters into the fp32 gradient shard the optimizer reads, unrounded, as stages 2
+      // and 3 do (so stages 1-3 give bitwise the same weights).
+      auto wide = flat.to(at::kFloat);
+      const auto wideBytes = static_cast<int64_t>(wide.nbytes());
+      transient.add(wideBytes);
+      if (!shardedOptimizer_) {
+        return {comm.allReduce(wide, mean), [flat, wide]() mutable { flat.copy_(wide); }, wideBytes};
+      }
+      TORCH_CHECK(wideShard_[index].defined(), "zeroshard: stage 1 with fp32 reduction needs the bucket's fp32 gradient shard");
+      return {comm.reduceScatter(wide, wideShard_[index], mean), [wide]() {}, wideBytes};
+    }
+    if (!shardedOptimizer_) return {comm.allReduce(flat, mean), {}};
+    return {comm.reduceScatter(flat, slice_[index], mean), {}};
+  }
+
+  void zero() override {
+    for (auto& flat : flat_) flat.zero_();
+  }
+
+  int64_t bytes() const override {
+    int64_t total = 0;
+    for (size_t i = 0; i < flat_.size(); ++i) {
+      total += static_cast<int64_t>(flat_[i].nbytes());
+      if (wideShard_[i].defined()) total += static_cast<int64_t>(wideShard_[i].nbytes());
+    }
+    return total;
+  }
+
+ private:
+  void attachViews(const Bucket& bucket, size_t index) {
+    const auto& flat = flat_[index];
+    for (size_t i = 0; i < bucket.size(); ++i) {
+      const auto& place = bucket.layout().params()[i];
+      auto view = flat.narrow(0, place.offset, place.numel).view(place.shape);
+      auto& grad = bucket.params()[i].mutable_grad();
+      if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
+      if (grad.defined()) view.copy_(grad);  // keep what the user accumulated elsewhere
+      grad = view;
+    }
+  }
+
+  bool shardedOptimizer_;
+  std::vector<at::Tensor> flat_;
+  std::vector<at::Tensor> slice_;  // this rank's slice of each flat buffer (stage 1's reduce-scatter target)
+  std::vector<at::Tensor> wideShard_;  // stage 1, 16-bit gradients reduced in fp32
+};
+
+// Stages 2 and 3.
+class ShardedGradStorage final : public GradStorage {
+ public:
+  ShardedGradStorage(const std::vector<Bucket>& buckets, at::ScalarType shardDtype)
+      : staging_(buckets.size()), hasData_(buckets.size(), 0) {
+    for (const auto& b : buckets) {
+      shards_.push_back(at::zeros({b.layout().shardNumel()}, b.flatParams().options().dtype(shardDtype)));
+    }
+  }
+
+  bool accumulatesInPlace() const override { return false; }
+  at::Tensor optimizerGrad(size_t index) const override { return shards_[index]; }
+
+  void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& transient) override {
+    auto& staging = staging_[index];
+    if (!staging.defined()) {
+      // Uninitialized: every parameter's region is written by its gradient, and reduce()
+      // zeroes the regions of parameters that got none, and the padding.
+      staging = at::empty({bucket.layout().paddedNumel()}, bucket.flatParams().options());
+      transient.add(static_cast<int64_t>(staging.nbytes()));
+    }
+    const auto& place = bucket.layout().params()[param];
+    auto& grad = bucket.params()[param].mutable_grad();
+    if (grad.defined()) staging.narrow(0, place.offset, place.numel).copy_(grad.reshape({-1}));
+    grad = at::Tensor();
+  }
+
+  StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& ready, Communicator& comm,
+                          const ReductionOptions& options, TransientBytes& transient) override {
+    const auto& layout = bucket.layout();
+    at::Tensor staging = std::move(staging_[index]);
+    staging_[index] = at::Tensor();
+    if (!staging.defined()) {
+      staging = at::zeros({layout.paddedNumel()}, bucket.flatParams().options());
+      transient.add(static_cast<int64_t>(staging.nbytes()));
+    } else {
+      for (size_t i = 0; i < bucket.size(); ++i) {
+        if (!ready[i]) staging.narrow(0, layout.params()[i].offset, layout.params()[i].numel).zero_();
+      }
+      staging.narrow(0, layout.numel(), layout.paddedNumel() - layout.numel()).zero_();
+    }
+    if (options.reduceInFloat && staging.scalar_type() != at::kFloat) {  // the fp32 shard then takes the sum directly
+      const auto narrowBytes = static_cast<int64_t>(staging.nbytes());
+      staging = staging.to(at::kFloat);
+      transient.add(static_cast<int64_t>(staging.nbytes()));
+      transient.add(-narrowBytes);
+    }
+    const auto stagingBytes = static_cast<int64_t>(staging.nbytes());
+    double mean = 1.0 / comm.worldSize();
+    if (options.preDivide) {
+      staging.mul_(mean);
+      mean = 1.0;
+    }
+    const at::Tensor& shard = shards_[index];
+    const bool first = !hasData_[index];
+    hasData_[index] = 1;
+    if (first && staging.scalar_type() == shard.scalar_type()) {
+      // First micro-batch of the window: reduce straight into the shard.
+      return {comm.reduceScatter(staging, shard, mean), [staging]() {}, stagingBytes};
+    }
+    auto partial = at::empty({layout.shardNumel()}, staging.options());
+    return {comm.reduceScatter(staging, partial, mean), [staging, partial, shard]() mutable { shard.add_(partial); },
+            stagingBytes};
+  }
+
+  void zero() override {
+    for (auto& shard : shards_) shard.zero_();
+    std::fill(hasData_.begin(), hasData_.end(), 0);
+  }
+
+  int64_t bytes() const override {
+    int64_t total = 0;
+    for (const auto& shard : shards_) total += static_cast<int64_t>(shard.nbytes());
+    return total;
+  }
+
+ private:
+  std::vector<at::Tensor> shards_;
+  std::vector<at::Tensor> staging_;
+  std::vector<char> hasData_;
+};
+
+} // namespace
+
+// Note [gradient shard dtype]: the shard holds what the reduce-scatter delivers. With 16-bit
+// gradients on the wire and one micro-batch per step that is a 16-bit value already, so the
+// shard is 16-bit (DESIGN.md's 2 bytes of gradient); it is fp32 when it must accumulate several
+// micro-batches or receives fp32 sums (reduce_dtype "fp32").
+std::unique_ptr<GradStorage> GradStorage::forPlan(const ShardingPlan& plan, const std::vector<Bucket>& buckets,
+                                                  int rank, const GradStorageOptions& options) {
+  if (plan.gradsSharded()) {
+    const bool wide = options.accumulationSteps > 1 || options.reduceInFloat;
+    return std::make_unique<ShardedGradStorage>(buckets, wide ? at::kFloat : options.computeDtype);
+  }
+  const bool wideShard = plan.optimizerSharded() && options.reduceInFloat && options.computeDtype != at::kFloat;
+  return std::make_unique<FullGradStorage>(buckets, rank, plan.optimizerSharded(), wideShard);
+}
+
+} // namespace zeroshard

@@ -1,26 +1,19 @@
 """What the checkpoint tests share: the config they train with, a training loop over the
 global batches, and ways to damage a file."""
 
-from models import train_global_batches
+from training import engine_config, train_global_batches
 
 GLOBAL = 8  # sequences per optimizer step, at every world size
-LR = 1e-2
 
 
 def config(world_size, stage, precision="fp32", gas=1, **extras):
-    config = {
-        "train_batch_size": GLOBAL,
-        "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        # Small buckets and threshold 0: several flat buffers, every parameter sharded.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30, **extras},
-    }
-    if precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}
-    if precision == "bf16":
-        config["bf16"] = {"enabled": True}
+    # Small buckets and threshold 0: several flat buffers, every parameter sharded.
+    config = engine_config(stage, micro=GLOBAL // (world_size * gas), gas=gas, precision=precision,
+                           loss_scaling={"initial_scale_power": 10, "loss_scale_window": 2}
+                           if precision == "fp16" else None,
+                           zero={"reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+                           zeroshard=extras)
+    config["train_batch_size"] = GLOBAL
     return config
 
 

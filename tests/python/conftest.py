@@ -1,7 +1,10 @@
 import os
 import sys
 
-# The spawn helper lives beside the tests; spawned ranks inherit sys.path from the parent.
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(__file__)
+# The helpers beside the tests (spawn, models, training); spawned ranks inherit sys.path from the
+# parent. benchmarks/ for model_state.py, the memory formulas the benchmarks print too.
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(HERE, os.pardir, os.pardir, "benchmarks"))
 
 WORLD_SIZES = [1, 2, 4]

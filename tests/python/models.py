@@ -1,4 +1,4 @@
-"""Small models and data shared by the engine tests and benchmarks."""
+"""Small models and the data the engine tests train them on."""
 
 import torch
 import torch.nn as nn
@@ -52,57 +52,6 @@ def make_model(seed=0, **kwargs):
 def global_batch(step, batch, seq=9, vocab=37):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-def train_global_batches(model, engine, rank, world_size, steps, micro, after_step=None):
-    """Runs one engine step per entry of `steps` on global_batch(step, micro x world_size x
-    gradient_accumulation_steps): rank r takes micro-batch m x world_size + r at micro-step m,
-    and engine.step() must report a step at the accumulation boundary only. Returns each step's
-    loss averaged over the global batch (every rank and micro-batch)."""
-    import torch.distributed as dist
-
-    gas = engine.gradient_accumulation_steps
-    losses = []
-    for step in steps:
-        tokens = global_batch(step, micro * world_size * gas)
-        total = torch.zeros(())
-        for m in range(gas):
-            start = (m * world_size + rank) * micro
-            loss = model.loss(tokens[start:start + micro])
-            engine.backward(loss)
-            assert engine.step() == (m == gas - 1)
-            total += loss.detach().float()
-        if after_step is not None:
-            after_step()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world_size * gas))
-    return losses
-
-
-def no_decay_groups(model):
-    """The usual split: no weight decay for biases and norm weights."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
-
-
-def adamw_reference(steps, batch, lr, weight_decay=0.05, clip=0.0, two_groups=False, device="cpu"):
-    """Single-process torch.optim.AdamW on the whole global batch of every step: what every
-    engine configuration is held to. Returns the losses and the final state dict."""
-    model = make_model().to(device)
-    groups = no_decay_groups(model) if two_groups else model.parameters()
-    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
-    losses = []
-    for step in range(steps):
-        loss = model.loss(global_batch(step, batch).to(device))
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
 
 
 class StatefulTransformer(TinyTransformer):

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_runs import GLOBAL, LR
+from checkpoint_runs import GLOBAL
 from checkpoint_runs import config as _config
 from checkpoint_runs import damage as _damage
 from checkpoint_runs import train as _train
 from models import StatefulTransformer, global_batch, make_stateful_model
 from spawn import run_ranks
+from training import LR, AdamWReference, no_decay_groups
 
 SAVED_STEPS = 3     # steps before the checkpoint
 RESUMED_STEPS = 3   # steps after it
@@ -60,18 +61,13 @@ def _resume(rank, world_size, stage, precision, ckpt, gas=1):
 def _reference():
     """Single-process torch.optim.AdamW over every step on the whole global batch."""
     model = make_stateful_model(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.05)
+    reference = AdamWReference(model)
     losses = []
     for step in range(SAVED_STEPS + RESUMED_STEPS):
         if step == SAVED_STEPS:
-            for group in opt.param_groups:
-                group["lr"] = LR * 0.5
-        loss = model.loss(global_batch(step, GLOBAL))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+            reference.set_lr(LR * 0.5)
+        losses.append(reference.step(global_batch(step, GLOBAL)))
         model.advance()
-        losses.append(loss.item())
     return losses, model.state_dict()
 
 
@@ -339,12 +335,6 @@ def test_a_client_state_that_would_not_load_back_fails_the_save_on_every_rank(tm
     assert [p for p in published if not p.startswith(".")] == []
 
 
-def _groups(model, no_decay_lr):
-    trained = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trained if p.ndim >= 2]},
-            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0, "lr": no_decay_lr}]
-
-
 def _fine_tune_from(rank, world_size, ckpt):
     """Saves at stage 2; then another run (stage 3, two param groups, a tenth of the lr) takes
     only the weights and trains one step."""
@@ -359,7 +349,7 @@ def _fine_tune_from(rank, world_size, ckpt):
     tuned_model = make_stateful_model(seed=7)
     config = _config(world_size, 3)
     config["optimizer"]["params"]["lr"] = LR / 10
-    tuned = zeroshard.initialize(tuned_model, config, param_groups=_groups(tuned_model, 2e-3))
+    tuned = zeroshard.initialize(tuned_model, config, param_groups=no_decay_groups(tuned_model, 2e-3))
     tuned.load_checkpoint(ckpt, load_optimizer_states=False)
     loaded = tuned.full_state_dict()
     steps, lr = tuned.global_steps, tuned.get_lr()
@@ -376,11 +366,9 @@ def test_load_without_optimizer_states_takes_only_the_weights(tmp_path):
     # From here it is a fresh AdamW on the loaded weights.
     model = StatefulTransformer()
     model.load_state_dict(saved)
-    opt = torch.optim.AdamW(_groups(model, 2e-3), lr=LR / 10, weight_decay=0.05)
-    loss = model.loss(global_batch(SAVED_STEPS, GLOBAL))
-    loss.backward()
-    opt.step()
+    reference = AdamWReference(model, lr=LR / 10, groups=no_decay_groups(model, 2e-3))
+    loss = reference.step(global_batch(SAVED_STEPS, GLOBAL))
     model.advance()
-    assert losses == pytest.approx([loss.item()], rel=1e-5)
+    assert losses == pytest.approx([loss], rel=1e-5)
     for name, ref in model.state_dict().items():
         torch.testing.assert_close(final[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")

@@ -9,13 +9,12 @@ for CPU tensors, NCCL for CUDA tensors), and torn down after the module, so the 
 import pytest
 import torch
 
-from models import adamw_reference, global_batch, make_model
+from models import global_batch, make_model
+from training import MICRO, adamw_reference, engine_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 STEPS = 4
-MICRO = 2
-LR = 1e-2
 RTOL, ATOL = 1e-4, 1e-5  # fp32 rounding: fused vs foreach AdamW kernels, as in test_engine_parity.py
 
 
@@ -36,18 +35,9 @@ def group():
 
 
 def _config(stage, gas=1, clip=0.0, bf16=False):
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        # Small buckets (several reductions in flight); at stage 3 every parameter sharded.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 60},
-    }
-    if bf16:
-        config["bf16"] = {"enabled": True}
-    return config
+    # Small buckets (several reductions in flight); at stage 3 every parameter sharded.
+    return engine_config(stage, gas=gas, clip=clip, precision="bf16" if bf16 else "fp32", timeout=60,
+                         zero={"reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0})
 
 
 CASES = {"plain": dict(gas=1, clip=0.0), "accumulation_and_clipping": dict(gas=2, clip=0.05)}
@@ -73,7 +63,7 @@ def test_stage_on_cuda_matches_single_process_adamw(group, stage, case):
             total += loss.item()
         losses.append(total / gas)
     state = engine.full_state_dict()
-    ref_losses, ref_state = adamw_reference(STEPS, MICRO * gas, LR, clip=clip, device="cuda")
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * gas, clip=clip, device="cuda")
     assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():

@@ -4,23 +4,15 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
+from model_state import SHARD_ALIGNMENT, model_state_bytes, padded_numel, param_numel
 from models import global_batch, make_model
 from spawn import run_ranks
+from training import engine_config, train_global_batches
 
-ALIGN = 16  # FlatLayout::kShardAlignment
 
-
-def _config(stage, gas=1, **extra):
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        # One bucket for the whole model, so the padded size is known exactly.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**9},
-        "zeroshard": {"collective_timeout_seconds": 30},
-    }
-    cfg.update(extra)
-    return cfg
+def _config(stage, gas=1):
+    # One bucket for the whole model, so the padded size is known exactly.
+    return engine_config(stage, lr=1e-3, weight_decay=None, gas=gas, zero={"reduce_bucket_size": 10**9})
 
 
 def _one_step(rank, world_size, stage, gas):
@@ -28,13 +20,8 @@ def _one_step(rank, world_size, stage, gas):
 
     model = make_model()
     engine = zeroshard.initialize(model, _config(stage, gas))
-    tokens = global_batch(0, 2 * world_size * gas)
-    for micro in range(gas):
-        start = (micro * world_size + rank) * 2
-        engine.backward(model.loss(tokens[start:start + 2]))
-        engine.step()
-    numel = sum(p.numel() for p in model.parameters())
-    return numel, engine.memory_stats(), engine.comm_stats()
+    train_global_batches(model, engine, rank, world_size, range(1))
+    return param_numel(model), engine.memory_stats(), engine.comm_stats()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -47,16 +34,12 @@ def test_memory_and_traffic_follow_the_stage_formulas(world_size):
         results = run_ranks(_one_step, world_size, stage, gas)
         n = world_size
         for numel, mem, comm in results:
-            padded = -(-numel // (ALIGN * n)) * ALIGN * n
-            assert 0 <= padded - numel < ALIGN * n
+            padded = padded_numel(numel, n)
+            assert 0 <= padded - numel < SHARD_ALIGNMENT * n
             psi = 4 * padded
-            expected = {
-                0: (psi, psi, 2 * psi),
-                1: (psi, psi, 2 * psi // n),
-                2: (psi, psi // n, 2 * psi // n),
-            }[stage]
-            assert (mem["params"], mem["grads"], mem["optimizer"]) == expected, (stage, mem)
-            assert mem["total"] == sum(expected)
+            expected = model_state_bytes(stage, n, padded)
+            assert {k: mem[k] for k in expected} == expected, (stage, mem)
+            assert mem["total"] == sum(expected.values())
             # Traffic: stage 2 reduce-scatters every micro-batch, stages 0 and 1 once a step.
             reductions = gas if stage == 2 else 1
             if stage == 0:
@@ -85,13 +68,9 @@ def _gather_buckets(rank, world_size):
             if limit is not None:
                 config["zero_optimization"]["allgather_bucket_size"] = limit
             engine = zeroshard.initialize(model, config)
-            for step in range(2):
-                tokens = global_batch(step, 2 * world_size)
-                engine.backward(model.loss(tokens[rank * 2:(rank + 1) * 2]))
-                engine.step()
+            train_global_batches(model, engine, rank, world_size, range(2))
             results[stage, limit] = (engine.comm_stats()["all_gather"], engine.full_state_dict())
-    numel = sum(p.numel() for p in make_model().parameters())
-    return numel, results
+    return param_numel(make_model()), results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -101,7 +80,7 @@ def test_allgather_bucket_size_bounds_each_parameter_gather(world_size):
     ceil(S / (limit // N)) calls for a shard of S = P / N, moving P x 4 bytes in all as one call
     would; the weights are bitwise those of one call per bucket."""
     numel, results = run_ranks(_gather_buckets, world_size)[0]
-    padded = -(-numel // (ALIGN * world_size)) * ALIGN * world_size
+    padded = padded_numel(numel, world_size)
     shard = padded // world_size
     for stage in (1, 2):
         _, reference = results[stage, None]

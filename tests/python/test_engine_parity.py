@@ -10,29 +10,21 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from models import adamw_reference, make_model, no_decay_groups, train_global_batches
+from models import make_model
 from spawn import run_ranks
+from training import MICRO, adamw_reference, engine_config, no_decay_groups, train_global_batches
 
 STEPS = 4
-MICRO = 2
-LR = 1e-2
 RTOL, ATOL = 1e-4, 1e-5
 STAGES = (0, 1, 2, 3)
 
 
 def _config(stage, gas, clip):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        # A small bucket size makes several buckets, so reduction overlaps backward
-        # (overlap_comm off: test_grad_reducer.py). Threshold 0: at stage 3 every parameter is
-        # sharded, none kept gathered.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
-                              "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30},
-    }
+    # A small bucket size makes several buckets, so reduction overlaps backward (overlap_comm
+    # off: test_grad_reducer.py). Threshold 0: at stage 3 every parameter is sharded, none kept
+    # gathered.
+    return engine_config(stage, gas=gas, clip=clip, zero={"reduce_bucket_size": 700, "overlap_comm": True,
+                                                          "stage3_param_persistence_threshold": 0})
 
 
 def _train(rank, world_size, gas, clip, two_groups):
@@ -61,7 +53,7 @@ CASES = {
 def test_stages_match_single_process_adamw(case, world_size):
     kwargs = CASES[case]
     results = run_ranks(_train, world_size, kwargs["gas"], kwargs["clip"], kwargs["two_groups"])[0]
-    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * kwargs["gas"], LR, clip=kwargs["clip"],
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * kwargs["gas"], clip=kwargs["clip"],
                                             two_groups=kwargs["two_groups"])
     for stage, (losses, state) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"

@@ -7,18 +7,13 @@ import torch
 
 from models import global_batch, make_model
 from spawn import run_ranks
+from training import MICRO, engine_config, train_global_batches
 
-MICRO = 2
 
-
-def _config(stage, **fp16):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "fp16": {"enabled": True, **fp16},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30},
-    }
+def _config(stage, precision="fp16", **loss_scaling):
+    return engine_config(stage, weight_decay=None, precision=precision,
+                         loss_scaling=loss_scaling if precision == "fp16" else None,
+                         zero={"stage3_param_persistence_threshold": 0})
 
 
 def _run(rank, world_size, stage, fp16, inject_at, steps):
@@ -71,24 +66,11 @@ def test_static_loss_scale_skips_overflows_and_never_changes():
 
 
 def _losses(rank, world_size, precision):
-    import torch.distributed as dist
     import zeroshard
 
     model = make_model()
-    config = _config(2, initial_scale_power=10)
-    if precision == "fp32":
-        del config["fp16"]
-    engine = zeroshard.initialize(model, config)
-    losses = []
-    for step in range(6):
-        tokens = global_batch(step, MICRO * world_size)
-        loss = model.loss(tokens[rank * MICRO:(rank + 1) * MICRO])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses, engine.skipped_steps
+    engine = zeroshard.initialize(model, _config(2, precision, initial_scale_power=10))
+    return train_global_batches(model, engine, rank, world_size, range(6)), engine.skipped_steps
 
 
 def test_fp16_training_follows_fp32():

@@ -10,29 +10,22 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from models import adamw_reference, make_model, train_global_batches
+from models import make_model
 from spawn import run_ranks
+from training import MICRO, AdamWReference, adamw_reference, engine_config, train_global_batches
 
 STEPS = 4
-MICRO = 2
 GAS = 2
-LR = 1e-2
 CLIP = 0.05
 RTOL, ATOL = 1e-4, 1e-5  # fp32 rounding, as in test_engine_parity.py
 DIM = 64  # LinearStack: 64 x 64 weights, a multiple of FlatLayout's alignment x 4 ranks
 LAYERS = 4
 
 
-def _config(stage, overlap, bucket=700, extras=None):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap,
-                              "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30, **(extras or {})},
-    }
+def _config(stage, overlap, bucket=700, extras=None, precision="fp32", gas=GAS):
+    return engine_config(stage, gas=gas, clip=CLIP, precision=precision, zeroshard=extras,
+                         zero={"reduce_bucket_size": bucket, "overlap_comm": overlap,
+                               "stage3_param_persistence_threshold": 0})
 
 
 def _train_tiny(rank, world_size, overlap):
@@ -49,7 +42,7 @@ def _train_tiny(rank, world_size, overlap):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_overlap_comm_off_trains_like_single_process_adamw(world_size):
-    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * GAS, LR, clip=CLIP)
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * GAS, clip=CLIP)
     results = run_ranks(_train_tiny, world_size, False)[0]
     for stage, (losses, state) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
@@ -80,9 +73,7 @@ def _train_stack(rank, world_size, stage, overlap, bf16, cap=None):
     extras = {"reduce_dtype": "fp32"} if bf16 else {}
     if cap is not None:
         extras["max_inflight_reductions"] = cap
-    config = _config(stage, overlap, bucket=DIM * DIM, extras=extras)
-    if bf16:
-        config["bf16"] = {"enabled": True}
+    config = _config(stage, overlap, bucket=DIM * DIM, extras=extras, precision="bf16" if bf16 else "fp32")
     engine = zeroshard.initialize(model, config)
     dtype = torch.bfloat16 if bf16 else torch.float32
     peaks = []
@@ -163,23 +154,16 @@ def _checkpointed(rank, world_size):
         # Reentrant: each checkpoint's nested backward accumulates the layer's gradient, the
         # second time after the bucket (the layer alone) has started its reduction.
         model = SharedTwice(reentrant=True)
-        config = _config(stage, overlap=True)
-        config["gradient_accumulation_steps"] = 1
-        engine = zeroshard.initialize(model, config)
+        engine = zeroshard.initialize(model, _config(stage, overlap=True, gas=1))
         with pytest.raises(RuntimeError, match=r"'layer.weight' received a second gradient .*use_reentrant=False"):
             engine.backward(model(x).square().mean())
 
     # Not reentrant: one accumulation per backward, and the step is AdamW's on the whole batch.
     model, reference = SharedTwice(reentrant=False), SharedTwice(reentrant=False)
-    config = _config(1, overlap=True)
-    config["gradient_accumulation_steps"] = 1
-    engine = zeroshard.initialize(model, config)
+    engine = zeroshard.initialize(model, _config(1, overlap=True, gas=1))
     engine.backward(model(x).square().mean())
     engine.step()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.05)
-    reference(x).square().mean().backward()
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-    optimizer.step()
+    AdamWReference(reference, clip=CLIP, loss=lambda m, batch: m(batch).square().mean()).step(x)
     torch.testing.assert_close(engine.full_state_dict()["layer.weight"], reference.layer.weight.detach(),
                                rtol=RTOL, atol=ATOL)
     return True

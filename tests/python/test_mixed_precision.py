@@ -12,23 +12,16 @@ import pytest
 import torch
 
 from conftest import WORLD_SIZES
+from model_state import model_state_bytes, padded_numel, param_numel, stage3_unit_numels
 from models import global_batch, make_model
 from spawn import run_ranks
+from training import MICRO, adamw_reference, engine_config, train_global_batches
 
 STEPS = 4
-MICRO = 2
-LR = 1e-2
-ALIGN = 16
 
 
-def _config(stage):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "zeroshard": {"collective_timeout_seconds": 30},
-    }
+def _config(stage, precision="bf16"):
+    return engine_config(stage, precision=precision, zero={"stage3_param_persistence_threshold": 0})
 
 
 def _train(rank, world_size):
@@ -57,26 +50,6 @@ def _train(rank, world_size):
     return results
 
 
-def _reference(world_size):
-    model32 = make_model()
-    model16 = make_model().to(torch.bfloat16)
-    masters = [p.detach().clone().requires_grad_() for p in model32.parameters()]
-    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.05)
-    losses = []
-    for step in range(STEPS):
-        loss = model16.loss(global_batch(step, MICRO * world_size))
-        loss.backward()
-        for master, p in zip(masters, model16.parameters()):
-            master.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        with torch.no_grad():
-            for master, p in zip(masters, model16.parameters()):
-                p.copy_(master)
-        losses.append(loss.item())
-    return losses, model16.state_dict()
-
-
 def _assert_bf16_close(actual, expected, what):
     """Elementwise within bf16's tolerance for all but 1% of the elements (AdamW can turn a
     near-zero gradient that rounds differently into a full-size step), and the whole tensor
@@ -90,7 +63,7 @@ def _assert_bf16_close(actual, expected, what):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bf16_stages_follow_the_fp32_master_recipe(world_size):
     results = run_ranks(_train, world_size)[0]
-    ref_losses, ref_state = _reference(world_size)
+    ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size, precision="bf16")
     exact = world_size == 1
     for stage, (losses, state, _) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-3 if exact else 1e-2), f"stage {stage}"
@@ -111,22 +84,18 @@ def test_bf16_memory_follows_the_mixed_precision_formulas():
     world_size = 2
     results = run_ranks(_train, world_size)
     model = make_model()
-    numel = sum(p.numel() for p in model.parameters())
-    n = world_size
-    padded = -(-numel // (ALIGN * n)) * ALIGN * n
+    padded = padded_numel(param_numel(model), world_size)
     for rank_results in results:
-        mem = {stage: rank_results[stage][2] for stage in rank_results}
-        assert (mem[0]["params"], mem[0]["grads"], mem[0]["optimizer"]) == (2 * padded, 2 * padded, 12 * padded)
-        assert (mem[1]["params"], mem[1]["grads"], mem[1]["optimizer"]) == (2 * padded, 2 * padded, 12 * padded // n)
-        assert (mem[2]["params"], mem[2]["grads"], mem[2]["optimizer"]) == (2 * padded, 2 * padded // n, 12 * padded // n)
-    # Stage 3 units are the two blocks and the root, each padded on its own.
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    units = [-(-u // (ALIGN * n)) * ALIGN * n for u in blocks + [numel - sum(blocks)]]
-    stage3 = [r[3][2] for r in results]
-    for mem in stage3:
-        assert mem["params"] == 2 * sum(units) // n and mem["grads"] == 2 * sum(units) // n
-    # exp_avg + exp_avg_sq cover every padded element once across ranks, as the master copy does.
-    assert all(m["optimizer"] == 12 * sum(units) // n for m in stage3)
+        for stage in (0, 1, 2):
+            mem = rank_results[stage][2]
+            expected = model_state_bytes(stage, world_size, padded, "bf16")
+            assert {k: mem[k] for k in expected} == expected, (stage, mem)
+    # Stage 3 units are the two blocks and the root, each padded on its own; exp_avg + exp_avg_sq
+    # cover every padded element once across ranks, as the master copy does.
+    expected = model_state_bytes(3, world_size, sum(stage3_unit_numels(model, world_size)), "bf16")
+    for rank_results in results:
+        mem = rank_results[3][2]
+        assert {k: mem[k] for k in expected} == expected, mem
 
 
 def _tiny_steps(rank, world_size, stage):
@@ -165,10 +134,7 @@ def _reduce_dtype(rank, world_size, stage, reduce_dtype):
     config = _config(stage)
     config["zeroshard"]["reduce_dtype"] = reduce_dtype
     engine = zeroshard.initialize(model, config)
-    for step in range(STEPS):
-        tokens = global_batch(step, MICRO * world_size)
-        engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
-        engine.step()
+    train_global_batches(model, engine, rank, world_size, range(STEPS))
     return engine.comm_stats(), engine.full_state_dict()
 
 
@@ -193,11 +159,7 @@ def _accumulating(rank, world_size):
     config = _config(2)
     config["gradient_accumulation_steps"] = 2
     engine = zeroshard.initialize(model, config)
-    tokens = global_batch(0, 2 * MICRO * world_size)
-    for micro in range(2):
-        start = (micro * world_size + rank) * MICRO
-        engine.backward(model.loss(tokens[start:start + MICRO]))
-        engine.step()
+    train_global_batches(model, engine, rank, world_size, range(1))
     return engine.memory_stats()["grads"], engine.memory_stats()["params"]
 
 
@@ -205,7 +167,7 @@ def test_accumulating_gradient_shards_are_fp32():
     """Accumulating micro-batches in a 16-bit shard would round every addition: with
     gradient_accumulation_steps > 1 the stage-2 gradient shard is fp32 (4Ψ/N bytes)."""
     grads, params = run_ranks(_accumulating, 2)[0]
-    assert grads == 4 * (params // 2) // 2
+    assert grads == model_state_bytes(2, 2, params // 2, "bf16", fp32_grad_shard=True)["grads"]
 
 
 def _fp32_sums(rank, world_size):
@@ -217,10 +179,7 @@ def _fp32_sums(rank, world_size):
         config = _config(stage)
         config["zeroshard"]["reduce_dtype"] = "fp32"
         engine = zeroshard.initialize(model, config)
-        for step in range(STEPS):
-            tokens = global_batch(step, MICRO * world_size)
-            engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
-            engine.step()
+        train_global_batches(model, engine, rank, world_size, range(STEPS))
         results[stage] = (engine.full_state_dict(dtype=torch.float32), engine.full_state_dict(),
                           engine.memory_stats())
     return results
@@ -242,7 +201,7 @@ def test_fp32_sums_give_bitwise_the_same_weights_at_stages_1_2_3(world_size):
                 assert torch.equal(params[name], params1[name]), f"rank {rank}, stage {stage} vs 1, {name}"
         mem = by_stage[1][2]
         padded = mem["params"] // 2
-        assert mem["grads"] == 2 * padded + 4 * padded // world_size
+        assert mem["grads"] == model_state_bytes(1, world_size, padded, "bf16", fp32_grad_shard=True)["grads"]
 
 
 def _state_dicts(rank, world_size, bf16):
@@ -251,14 +210,8 @@ def _state_dicts(rank, world_size, bf16):
     results = {}
     for stage in (0, 1, 2, 3):
         model = make_model()
-        config = _config(stage)
-        if not bf16:
-            del config["bf16"]
-        engine = zeroshard.initialize(model, config)
-        for step in range(STEPS):
-            tokens = global_batch(step, MICRO * world_size)
-            engine.backward(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]))
-            engine.step()
+        engine = zeroshard.initialize(model, _config(stage, "bf16" if bf16 else "fp32"))
+        train_global_batches(model, engine, rank, world_size, range(STEPS))
         step_traffic = engine.comm_stats()
         results[stage] = (engine.full_state_dict(), engine.full_state_dict(dtype=torch.float32),
                           engine.full_state_dict(dtype=torch.float16, rank0_only=True),

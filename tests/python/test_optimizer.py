@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from spawn import run_ranks
+from training import engine_config
 
 DIM = 512
+
+
+def _config(stage, **options):
+    """AdamW at lr 1e-3 with clipping at 0.5, the engine's timeout."""
+    return engine_config(stage, lr=1e-3, weight_decay=None, clip=0.5, timeout=None, **options)
 
 
 def _step_conversions(rank, world_size, stage):
@@ -20,10 +26,7 @@ def _step_conversions(rank, world_size, stage):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM, bias=False), torch.nn.Linear(DIM, DIM, bias=False))
-    engine = zeroshard.initialize(model, {
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": DIM * DIM}})
+    engine = zeroshard.initialize(model, _config(stage, zero={"reduce_bucket_size": DIM * DIM}))
     x = torch.randn(2, DIM)
     engine.backward(model(x).square().mean())
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -59,16 +62,10 @@ def _converted_peak(rank, world_size, stage, precision):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(LAYERS)])
-    config = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        # A bucket (stages 1-2) or a unit (stage 3, every layer) per layer.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": DIM * DIM,
-                              "stage3_param_persistence_threshold": 0},
-        precision: {"enabled": True},
-    }
-    if stage == 3:
-        config["zeroshard"] = {"stage3_unit_classes": ["Linear"]}
+    # A bucket (stages 1-2) or a unit (stage 3, every layer) per layer.
+    config = _config(stage, precision=precision,
+                     zero={"reduce_bucket_size": DIM * DIM, "stage3_param_persistence_threshold": 0},
+                     zeroshard={"stage3_unit_classes": ["Linear"]} if stage == 3 else None)
     engine = zeroshard.initialize(model, config)
     x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank)).to(next(model.parameters()).dtype)
     peaks = []
@@ -94,9 +91,7 @@ def _fp32_peak(rank, world_size):
     import zeroshard
 
     model = torch.nn.Linear(DIM, DIM, bias=False)
-    engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
-                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                          "zero_optimization": {"stage": 2}})
+    engine = zeroshard.initialize(model, _config(2))
     engine.backward(model(torch.randn(2, DIM)).square().mean())
     engine.step()
     return engine.memory_stats()["fp32_grads_peak"]

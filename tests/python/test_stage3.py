@@ -11,13 +11,12 @@ import torch
 import torch.nn as nn
 
 from conftest import WORLD_SIZES
+from model_state import model_state_bytes, padded_numel, stage3_unit_numels
 from models import Block, TinyTransformer, global_batch
 from spawn import run_ranks
+from training import MICRO, AdamWReference, engine_config, train_global_batches
 
 STEPS = 3
-MICRO = 2
-LR = 1e-2
-ALIGN = 16
 
 
 class SkipBlock(Block):
@@ -63,63 +62,48 @@ class Variant(TinyTransformer):
 
 
 def _config(gas=1, reshard=True, **zero):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.05}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
-        "zeroshard": {"collective_timeout_seconds": 30, "reshard_after_forward": reshard},
-    }
+    return engine_config(3, gas=gas, zero={"stage3_param_persistence_threshold": 0, **zero},
+                         zeroshard={"reshard_after_forward": reshard})
+
+
+def _before_step(model, evals, rows):
+    """Sets model.step; with `evals` a list, appends the loss of the batch's `rows` computed
+    under no_grad: an eval forward between steps."""
+
+    def before_step(step, tokens):
+        model.step = step
+        if evals is not None:
+            with torch.no_grad():
+                evals.append(model.loss(tokens[rows]).item())
+
+    return before_step
 
 
 def _train(rank, world_size, variant, config, eval_forward):
-    import torch.distributed as dist
     import zeroshard
 
     model = Variant(**variant)
     engine = zeroshard.initialize(model, config)
-    gas = engine.gradient_accumulation_steps
-    losses, evals = [], []
-    for step in range(STEPS):
-        model.step = step
-        tokens = global_batch(step, MICRO * world_size * gas)
-        if eval_forward:
-            with torch.no_grad():
-                evals.append(model.loss(tokens[rank * MICRO:(rank + 1) * MICRO]).item())
-        total = torch.zeros(())
-        for micro in range(gas):
-            start = (micro * world_size + rank) * MICRO
-            loss = model.loss(tokens[start:start + MICRO])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world_size * gas))
+    evals = [] if eval_forward else None
+    losses = train_global_batches(model, engine, rank, world_size, range(STEPS),
+                                  before_step=_before_step(model, evals, slice(rank * MICRO, (rank + 1) * MICRO)))
     state = engine.full_state_dict()
     # Released again after the state dict: only shards remain between steps.
     stats = engine.memory_stats()
-    return losses, evals, state, stats, engine.comm_stats()
+    return losses, evals or [], state, stats, engine.comm_stats()
 
 
 def _reference(world_size, variant, gas, eval_forward):
     model = Variant(**variant)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.05)
-    for p in params:
-        p.grad = torch.zeros_like(p)  # a parameter with no gradient counts as a zero gradient
-    losses, evals = [], []
+    reference = AdamWReference(model)  # a parameter with no gradient counts as a zero gradient
+    evals = [] if eval_forward else None
+    before_step = _before_step(model, evals, slice(0, MICRO))  # rank 0's rows
+    losses = []
     for step in range(STEPS):
-        model.step = step
         tokens = global_batch(step, MICRO * world_size * gas)
-        if eval_forward:
-            with torch.no_grad():
-                evals.append(model.loss(tokens[:MICRO]).item())
-        opt.zero_grad(set_to_none=False)
-        loss = model.loss(tokens)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, evals, model.state_dict()
+        before_step(step, tokens)
+        losses.append(reference.step(tokens))
+    return losses, evals or [], model.state_dict()
 
 
 def _check_against_reference(world_size, variant, config, gas=1, eval_forward=False):
@@ -162,25 +146,25 @@ def test_memory_and_traffic_follow_stage3_formulas(world_size):
     whole shard, as a stage-2 bucket is); a step moves two all-gathers and one reduce-scatter per
     block unit and one of each for the root unit; at most two blocks are gathered at once."""
     results = run_ranks(_train, world_size, {}, _config(), False)
-    model = Variant()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    padded = [-(-n // (ALIGN * world_size)) * ALIGN * world_size for n in blocks + [root]]
+    padded = stage3_unit_numels(Variant(), world_size)  # the blocks, then the root
+    blocks = len(padded) - 1
     total_padded = sum(padded)
+    expected = model_state_bytes(3, world_size, total_padded)
     optimizer_bytes = []
     for _, _, _, mem, comm in results:
-        assert mem["params"] == mem["grads"] == 4 * total_padded // world_size
+        assert mem["params"] == mem["grads"] == expected["params"] == expected["grads"]
         optimizer_bytes.append(mem["optimizer"])
-        assert mem["optimizer"] == 8 * total_padded // world_size
+        assert mem["optimizer"] == expected["optimizer"]
         gathered = 4 * sum(padded)
         block_bytes = 4 * sum(padded[:-1])
-        assert comm["all_gather"] == {"calls": 2 * len(blocks) + 1, "bytes": gathered + block_bytes}
-        assert comm["reduce_scatter"] == {"calls": len(blocks) + 1, "bytes": gathered}
+        assert comm["all_gather"] == {"calls": 2 * blocks + 1, "bytes": gathered + block_bytes}
+        assert comm["reduce_scatter"] == {"calls": blocks + 1, "bytes": gathered}
         assert comm["all_reduce"]["calls"] == comm["broadcast"]["calls"] == 0
         # Root stays gathered through the step; prefetch keeps at most two blocks beside it.
         assert 4 * padded[-1] < mem["gathered_peak"] <= 4 * (padded[-1] + 2 * max(padded[:-1]))
-    # Optimizer state covers every element of the padded units exactly once across the ranks.
-    assert sum(optimizer_bytes) == 8 * total_padded
+    # Optimizer state covers every element of the padded units exactly once across the ranks:
+    # together the ranks hold what one rank would alone.
+    assert sum(optimizer_bytes) == model_state_bytes(3, 1, total_padded)["optimizer"]
 
 
 def _order_mismatch(rank, world_size):
@@ -211,15 +195,12 @@ def test_live_and_prefetch_limits_bound_gathered_memory(limit):
     stage3_prefetch_bucket_size = 0 each stop the prefetch, so at most one block is gathered
     beside the root; the numbers do not change."""
     world_size = 2
-    model = Variant()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    pad = lambda n: -(-n // (ALIGN * world_size)) * ALIGN * world_size  # noqa: E731
-    zero = ({"stage3_max_live_parameters": pad(root) + max(pad(b) for b in blocks)}
+    *blocks, root = stage3_unit_numels(Variant(), world_size)
+    zero = ({"stage3_max_live_parameters": root + max(blocks)}
             if limit == "max_live" else {"stage3_prefetch_bucket_size": 0})
     results = _check_against_reference(world_size, {}, _config(**zero))
     for _, _, _, mem, _ in results:
-        assert mem["gathered_peak"] == 4 * (pad(root) + max(pad(b) for b in blocks))
+        assert mem["gathered_peak"] == 4 * (root + max(blocks))
 
 
 def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched():
@@ -227,13 +208,10 @@ def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched():
     element still gathers the next block while the current one computes (only 0 turns it
     off), so two blocks are gathered beside the root at the peak."""
     world_size = 2
-    model = Variant()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    pad = lambda n: -(-n // (ALIGN * world_size)) * ALIGN * world_size  # noqa: E731
+    *blocks, root = stage3_unit_numels(Variant(), world_size)
     results = _check_against_reference(world_size, {}, _config(stage3_prefetch_bucket_size=1))
     for _, _, _, mem, _ in results:
-        assert mem["gathered_peak"] > 4 * (pad(root) + max(pad(b) for b in blocks))
+        assert mem["gathered_peak"] > 4 * (root + max(blocks))
 
 
 def _units(rank, world_size, threshold):
@@ -269,6 +247,6 @@ def test_stage3_units_lists_each_unit_with_its_persistent_parameters():
     assert units == expected
     assert all(u["persistent"] for u in units), "the threshold keeps norms and biases of every unit"
     assert below == [], "below stage 3 there are no units"
-    pad = lambda n: -(-n // (ALIGN * 2)) * ALIGN * 2  # noqa: E731
-    persistent = pad(sum(u["persistent_numel"] for u in units))
-    assert mem["params"] == 4 * (sum(pad(u["numel"]) for u in units) // 2 + persistent // 2 + persistent)
+    persistent = padded_numel(sum(u["persistent_numel"] for u in units), 2)
+    released = sum(padded_numel(u["numel"], 2) for u in units)
+    assert mem["params"] == model_state_bytes(3, 2, released + persistent, persistent=persistent)["params"]

@@ -22,8 +22,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from models import make_model, train_global_batches
+from models import make_model
 from spawn import run_ranks
+from training import engine_config, train_global_batches
 
 WORLD_SIZE = 2
 # Each holder with each barrier twice (once when the group outlives the holder: that order
@@ -33,18 +34,7 @@ ITERATIONS_BEFORE = 8
 ITERATION_LIMIT = 20.0  # seconds; an iteration takes well under one
 HOLDERS = ("stage 1 engine", "stage 2 engine", "stage 3 engine", "Communicator")
 BARRIERS = ("barrier waited", "barrier in flight")
-MICRO = 2
 STEPS = 2
-
-
-def _config(stage):
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage},
-        "zeroshard": {"collective_timeout_seconds": 30},
-    }
 
 
 def _make_holder(holder, rank, world_size):
@@ -58,9 +48,10 @@ def _make_holder(holder, rank, world_size):
         assert torch.equal(t, torch.full((8,), 3.0))
         return comm, None
     model = make_model()
-    engine = zeroshard.initialize(model, _config(int(holder.split()[1])), process_group=None)
+    config = engine_config(int(holder.split()[1]), lr=1e-3, weight_decay=None, gas=1)
+    engine = zeroshard.initialize(model, config, process_group=None)
     # train_global_batches all-reduces each step's loss (a Python tensor) with dist.all_reduce.
-    train_global_batches(model, engine, rank, world_size, range(STEPS), MICRO)
+    train_global_batches(model, engine, rank, world_size, range(STEPS))
     assert engine.global_steps == STEPS
     return engine, model
 

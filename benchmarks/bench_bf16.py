@@ -20,8 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_stages import build_parser, parse_args, start, write_json  # noqa: E402
-from stage_report import bf16_formulas, check, check_memory, loss_reference, render, render_losses, render_memory  # noqa: E402
+from bench_stages import build_parser, formulas_of, parse_args, start, write_json  # noqa: E402
+from stage_report import check, check_memory, loss_reference, render, render_losses, render_memory  # noqa: E402
 from steps import BF16_CONFIGS  # noqa: E402
 
 REFERENCE = "ddp-autocast"
@@ -43,7 +43,7 @@ def main():
     if not run["leader"]:
         return 0
     results, world, configs = run["results"], run["world"], args.configs
-    formulas = bf16_formulas(run["num_params"], world, run["kept"])
+    formulas = formulas_of(run, configs)
 
     print("## bf16: model-state memory per rank (the rank holding most)\n")
     print(render_memory(results, configs, formulas))

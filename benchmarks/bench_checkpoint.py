@@ -14,7 +14,6 @@ state-dict file in a fresh process with its peak RSS. See benchmarks/README.md.
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -26,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt import make_model, next_token_loss, token_batch  # noqa: E402
+from gpt import make_model, token_batch  # noqa: E402
+from model_state import param_numel  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+from steps import Recipe, make_step  # noqa: E402
 
 ROWS = ("zeroshard-stage3", "fsdp2+dcp", "ddp+torch.save")
 MB = 1e6
@@ -42,71 +42,53 @@ def _sizes(args):
     return dict(vocab=8192, dim=512, heads=8, hidden=2048, layers=8, max_seq=128)
 
 
-def _zeroshard_config(world_size):
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10000},
-            "zeroshard": {"stage3_unit_classes": ["Block"], "checkpoint": {"keep_last": 0}}}
+# The step each row trains through (steps.py), once, so that AdamW state exists: AdamW lr 1e-3
+# with the libraries' other defaults (torch's default AdamW implementation, DDP's and zeroshard's
+# bucket sizes); zeroshard stage 3 over the Blocks with matrices sharded (as bench_stages.py),
+# keeping every checkpoint.
+STEP_OF_ROW = {"zeroshard-stage3": "zeroshard-stage3", "fsdp2+dcp": "fsdp2", "ddp+torch.save": "ddp"}
+RECIPE = Recipe(batch=2, lr=1e-3, persistence_threshold=10_000, checkpoint_keep_last=0)
 
 
 class Row:
     """One setup: build (model + optimizer, one step), save(dir), load(dir)."""
 
-    def __init__(self, name, sizes, world_size):
+    def __init__(self, name, sizes):
         self.name = name
-        model = make_model(0, **sizes)
-        tokens = token_batch(0, 0, dist.get_rank(), 2, 64, sizes["vocab"])
-        if name == "zeroshard-stage3":
-            import zeroshard
-            self.engine = zeroshard.initialize(model, _zeroshard_config(world_size))
-            self.engine.backward(next_token_loss(model(tokens[:, :-1]), tokens))
-            self.engine.step()
-        elif name == "fsdp2+dcp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            mesh = init_device_mesh("cpu", (world_size,))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        else:
-            from torch.nn.parallel import DistributedDataParallel
-            model = DistributedDataParallel(model)
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if name != "zeroshard-stage3":
-            next_token_loss(model(tokens[:, :-1]), tokens).backward()
-            self.optimizer.step()
-        self.model = model
+        tokens = token_batch(0, 0, dist.get_rank(), RECIPE.batch, 64, sizes["vocab"])
+        self.step = make_step(STEP_OF_ROW[name], make_model(0, **sizes), RECIPE)
+        self.step(tokens)
 
     def save(self, path):
         if self.name == "zeroshard-stage3":
-            self.engine.save_checkpoint(path, tag="ckpt")
+            self.step.engine.save_checkpoint(path, tag="ckpt")
         elif self.name == "fsdp2+dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.step.model, self.step.optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "ckpt"))
         else:
             if dist.get_rank() == 0:
                 os.makedirs(path, exist_ok=True)
-                torch.save({"model": self.model.module.state_dict(), "optim": self.optimizer.state_dict()},
+                torch.save({"model": self.step.model.state_dict(), "optim": self.step.optimizer.state_dict()},
                            os.path.join(path, "ckpt.pt"))
             dist.barrier()
 
     def load(self, path):
         if self.name == "zeroshard-stage3":
-            self.engine.load_checkpoint(path, tag="ckpt")
+            self.step.engine.load_checkpoint(path, tag="ckpt")
         elif self.name == "fsdp2+dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.step.model, self.step.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=os.path.join(path, "ckpt"))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+            set_state_dict(self.step.model, self.step.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         else:
             state = torch.load(os.path.join(path, "ckpt.pt"), weights_only=True)  # every rank reads it all
-            self.model.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
+            self.step.model.load_state_dict(state["model"])
+            self.step.optimizer.load_state_dict(state["optim"])
 
 
 def _timed(fn):
@@ -118,8 +100,7 @@ def _timed(fn):
 
 
 def _rank_main(rank, world_size, name, sizes, root, repeats, load_only):
-    torch.set_num_threads(1)
-    row = Row(name, sizes, world_size)
+    row = Row(name, sizes)  # ranks.run_ranks gives each rank one torch thread
     if load_only:
         return {"load_seconds": [_timed(lambda: row.load(root))]}
     saves, loads = [], []
@@ -132,7 +113,7 @@ def _rank_main(rank, world_size, name, sizes, root, repeats, load_only):
             if rank == 0:
                 shutil.rmtree(path)
     return {"save_seconds": saves, "load_seconds": loads,
-            "params": sum(p.numel() for p in make_model(0, **sizes).parameters())}
+            "params": param_numel(make_model(0, **sizes))}
 
 
 def _disk_bytes(path):
@@ -164,8 +145,6 @@ def _convert(name, src, out):
 
 
 def main():
-    from spawn import run_ranks
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the 5M-parameter GPT of bench_stages.py")
     p.add_argument("--world-size", type=int, default=2)

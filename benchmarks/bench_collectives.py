@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
-from spawn import run_ranks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import run_ranks  # noqa: E402
 
 
 def _rank(rank, world_size, numel, repeats, warmup):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # as bench_stages.py's ranks
+    # One torch thread, as every rank of ranks.run_ranks (bench_stages.py's too).
     numel -= numel % world_size
     flat = torch.randn(numel)
     shard = torch.empty(numel // world_size)

@@ -13,16 +13,13 @@ describes every row and column.
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch  # the parent process never touches the GPU: every CUDA call is in a row's process
@@ -31,7 +28,10 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from gpt import GPT, next_token_loss, token_batch  # noqa: E402
+from gpt import GPT, token_batch  # noqa: E402
+from model_state import param_numel, persistent_numel  # noqa: E402
+from ranks import free_port, init_group  # noqa: E402
+from steps import Recipe, fused_adamw_works, make_step, state_formula  # noqa: E402
 
 ROWS = ("plain", "zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "fsdp2")
 OPTIONAL_ROWS = ("plain-autocast",)
@@ -50,126 +50,17 @@ def _sizes(s):
     return {k: s[k] for k in ("vocab", "dim", "heads", "hidden", "layers")}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Each row's step (steps.py): bf16 compute, fp32 AdamW state.
+STEP_OF_ROW = {"plain": "plain-bf16", "plain-autocast": "plain-autocast", "fsdp2": "fsdp2-bf16",
+               **{f"zeroshard-stage{k}": f"zeroshard-stage{k}-bf16" for k in range(4)}}
 
 
-def _init_group(device):
-    """A process group of one, as zeroshard.init_distributed makes it: Gloo for CPU tensors,
-    NCCL for CUDA tensors."""
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=300))
-
-
-def _adamw(params):
-    params = list(params)  # twice, if the fused kernel is refused
-    try:
-        return torch.optim.AdamW(params, fused=True, **HYPER), "fused"
-    except (RuntimeError, ValueError):  # a device without a fused kernel
-        return torch.optim.AdamW(params, **HYPER), "default"
-
-
-def _nbytes(tensors):
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch.distributed.tensor is heavy to import)
-
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t is not None)
-
-
-def _state_bytes(optimizer):
-    return _nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-
-
-class PlainStep:
-    """bf16 model, fp32 master weights, AdamW on the master (see the module docstring)."""
-
-    def __init__(self, model):
-        self.model, self.params = model, list(model.parameters())
-        self.master = [p.detach().clone() for p in self.params]
-        model.to(torch.bfloat16)
-        self.optimizer, self.impl = _adamw(self.master)
-
-    def __call__(self, tokens):
-        loss = next_token_loss(self.model(tokens[:, :-1]), tokens)
-        loss.backward()
-        for m, p in zip(self.master, self.params):
-            m.grad = p.grad.float()  # transient fp32 gradient, as zeroshard's step makes it
-        self.optimizer.step()
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master)
-            for m, p in zip(self.master, self.params):
-                m.grad = None
-                p.grad.zero_()  # kept allocated, like zeroshard's flat gradients
-        return loss
-
-    def model_state_bytes(self):
-        return (_nbytes(self.params) + _nbytes(p.grad for p in self.params) + _nbytes(self.master)
-                + _state_bytes(self.optimizer))
-
-
-class TorchStep:
-    """torch.optim.AdamW on the model's own (fp32) parameters. plain-autocast: forward and loss
-    under torch.autocast(bf16). fsdp2: fully_shard on each Block and the root with
-    MixedPrecisionPolicy(bf16, bf16); the parameters, gradients and AdamW state are DTensor shards."""
-
-    def __init__(self, model, device, fsdp2):
-        if fsdp2:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
-        self.model, self.device, self.fsdp2 = model, device, fsdp2
-        self.optimizer, self.impl = _adamw(model.parameters())
-
-    def __call__(self, tokens):
-        # Zeroed first, so the gradients are alive when memory is read; kept allocated (as
-        # zeroshard's) where that is possible: FSDP2 makes new gradient shards each backward.
-        self.optimizer.zero_grad(set_to_none=self.fsdp2)
-        with contextlib.nullcontext() if self.fsdp2 else torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = next_token_loss(self.model(tokens[:, :-1]), tokens)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def model_state_bytes(self):
-        params = list(self.model.parameters())
-        return _nbytes(params) + _nbytes(p.grad for p in params) + _state_bytes(self.optimizer)
-
-
-class ZeroshardStep:
-    def __init__(self, model, stage, s):
-        import zeroshard
-
-        zero = {"stage": stage, "reduce_bucket_size": s["bucket_elems"], "overlap_comm": True}
-        if stage == 3:
-            # DeepSpeed's default prefetch size (5e7 elements) is below one Block (5.04e7 + padding
-            # at the full size), which would turn prefetch off; two Blocks fit.
-            block = sum(p.numel() for p in model.blocks[0].parameters())
-            zero.update(stage3_param_persistence_threshold=PERSISTENCE, stage3_prefetch_bucket_size=2 * block)
-        extras = {"collective_timeout_seconds": 300}
-        if stage == 3:
-            extras["stage3_unit_classes"] = ["Block"]
-        self.engine = zeroshard.initialize(model, {
-            "train_micro_batch_size_per_gpu": s["batch"], "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {**HYPER, "betas": list(HYPER["betas"])}},
-            "zero_optimization": zero, "zeroshard": extras})
-        self.impl = "at::_fused_adamw_"
-
-    def __call__(self, tokens):
-        loss = next_token_loss(self.engine(tokens[:, :-1]), tokens)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss
-
-    def model_state_bytes(self):
-        return self.engine.memory_stats()["total"]
+def _recipe(model, s, device):
+    # DeepSpeed's default prefetch size (5e7 elements) is below one Block (5.04e7 + padding at the
+    # full size), which would turn stage 3's prefetch off; two Blocks fit.
+    return Recipe(batch=s["batch"], **HYPER, fused=fused_adamw_works(device), bucket_elems=s["bucket_elems"],
+                  persistence_threshold=PERSISTENCE, prefetch_elems=2 * param_numel(model.blocks[0]),
+                  collective_timeout_seconds=300)
 
 
 def run_row(row, s):
@@ -181,18 +72,15 @@ def run_row(row, s):
     else:
         torch.set_num_threads(s["threads"])
     if row not in ("plain", "plain-autocast"):
-        _init_group(device)
+        # A group of one, as zeroshard.init_distributed makes it: Gloo for CPU tensors, NCCL for
+        # CUDA tensors.
+        init_group(0, 1, free_port(), 300, "cpu:gloo,cuda:nccl" if cuda else "gloo")
     torch.manual_seed(s["seed"])
     with device:  # initialized on the device: the same weights in every row (same seed, same kernels)
         model = GPT(max_seq=s["seq"], **_sizes(s))
-    num_params = sum(p.numel() for p in model.parameters())
-    kept = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE)
-    if row == "plain":
-        step = PlainStep(model)
-    elif row.startswith("zeroshard-stage"):
-        step = ZeroshardStep(model, int(row[-1]), s)
-    else:
-        step = TorchStep(model, device, fsdp2=row == "fsdp2")
+    num_params = param_numel(model)
+    kept = persistent_numel([p.numel() for p in model.parameters()], PERSISTENCE)
+    step = make_step(STEP_OF_ROW[row], model, _recipe(model, s, device))
     total = s["warmup"] + s["steps"]
     batches = [token_batch(s["seed"], i, 0, s["batch"], s["seq"], s["vocab"]).to(device) for i in range(total)]
 
@@ -211,10 +99,10 @@ def run_row(row, s):
         losses.append(step(tokens).detach())
     sync()
     elapsed = time.perf_counter() - started
-    result = dict(row=row, optimizer=step.impl, num_params=num_params, kept_params=kept,
+    result = dict(row=row, optimizer=step.optimizer_name, num_params=num_params, kept_params=kept,
                   losses=[float(x) for x in losses], seconds=elapsed,
                   tokens_per_second=s["steps"] * s["batch"] * s["seq"] / elapsed,
-                  model_state_bytes=int(step.model_state_bytes()))
+                  model_state_bytes=int(step.memory()["total"]))
     if cuda:
         result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                       peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
@@ -291,7 +179,7 @@ def report(results, s, rows):
             lines.append(f"| {name} | **{r['error']}** | | | | | | |")
             problems.append(f"{name}: {r['error']}")
             continue
-        formula = 16 * r["num_params"] + (2 * r["kept_params"] if name == "zeroshard-stage3" else 0)
+        _, formula = state_formula(STEP_OF_ROW[name], r["num_params"], 1, r["kept_params"])
         peak = r.get("peak_bytes")
         mem_ratio = peak / (formula + act) if peak is not None and act is not None else None
         speed = r["tokens_per_second"] / plain["tokens_per_second"] if plain else None

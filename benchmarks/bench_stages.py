@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import make_model, next_token_loss, token_batch  # noqa: E402
-from stage_report import MB, check, fp32_formulas, loss_reference, render, render_losses, render_memory, summarize  # noqa: E402
-from steps import FP32_CONFIGS as CONFIGS, fused_adamw_works, make_step  # noqa: E402
+from model_state import param_numel, persistent_numel  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+from stage_report import MB, check, loss_reference, render, render_losses, render_memory, summarize  # noqa: E402
+from steps import FP32_CONFIGS as CONFIGS, Recipe, fused_adamw_works, make_step, state_formula  # noqa: E402
 
 LOSS_TOLERANCE = 1e-3  # relative, held-out loss against ddp's: every config computes the same fp32 steps
 
@@ -43,7 +43,7 @@ def run_config(rank, world_size, name, s):
     model = make_model(s["seed"], **s["model"])
     vocab = s["model"]["vocab"]
     batches = [token_batch(s["seed"], i, rank, s["batch"], s["seq"], vocab) for i in range(s["warmup"] + s["steps"])]
-    step = make_step(name, model, s)
+    step = make_step(name, model, recipe_of(s))
 
     times, cpu_times, losses = [], [], []
     load_before = os.getloadavg()
@@ -74,11 +74,6 @@ def run_config(rank, world_size, name, s):
                 step_cpu_seconds=cpu_times, losses=losses, load_average=(load_before[0], load_after[0]),
                 eval_loss=eval_loss, memory=memory, rss_before_bytes=rss_before, peak_rss_bytes=peak_rss,
                 threads=torch.get_num_threads(), extras=step.extras())
-
-
-def _spawned_rank(rank, world_size, name, s):
-    # spawn.run_ranks has already set one thread and joined the Gloo group.
-    return run_config(rank, world_size, name, s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +129,17 @@ def settings_of(args):
                 model=dict(vocab=512, dim=256, heads=4, hidden=1024, layers=args.layers, max_seq=args.seq))
 
 
+def recipe_of(s):
+    return Recipe(batch=s["batch"], lr=s["lr"], weight_decay=s["weight_decay"], fused=s["fused"],
+                  bucket_elems=s["bucket_elems"], overlap_comm=s["overlap_comm"],
+                  persistence_threshold=s["persistence_threshold"])
+
+
+def formulas_of(run, configs):
+    """Each config's model-state formula for this run (steps.state_formula)."""
+    return {name: state_formula(name, run["num_params"], run["world"], run["kept"]) for name in configs}
+
+
 def _round_orders(args):
     # Alternating order (A B C, C B A, ...) spreads slow drifts of the machine over all configs.
     return [args.configs if r % 2 == 0 else args.configs[::-1] for r in range(args.rounds)]
@@ -141,14 +147,12 @@ def _round_orders(args):
 
 def run_spawned(args, s):
     """One fresh group of processes per config and round, so each peak RSS belongs to one
-    config."""
-    from spawn import run_ranks
-
+    config (ranks.run_ranks: one torch thread per rank, joined in a Gloo group)."""
     rounds = {name: [] for name in args.configs}
     for r, order in enumerate(_round_orders(args)):
         for name in order:
             t0 = time.perf_counter()
-            ranks = run_ranks(_spawned_rank, args.world_size, name, s, timeout=args.timeout)
+            ranks = run_ranks(run_config, args.world_size, name, s, timeout=args.timeout)
             rounds[name].append(ranks)
             wall = statistics.median(max(x["step_seconds"][i] for x in ranks) for i in range(s["steps"]))
             print(f"  round {r + 1}/{args.rounds} {name}: {1000 * wall:.1f} ms/step, last loss "
@@ -180,10 +184,9 @@ def start(args):
     """Settings, model size and launcher; prints the run's header on the leader."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     s = settings_of(args)
-    sizes = [p.numel() for p in make_model(s["seed"], **s["model"]).parameters()]
-    num_params = sum(sizes)
-    # Parameters zeroshard stage 3 keeps gathered (numel <= threshold, as in engine_stage3.cpp).
-    kept = sum(n for n in sizes if n <= s["persistence_threshold"])
+    model = make_model(s["seed"], **s["model"])
+    num_params = param_numel(model)
+    kept = persistent_numel([p.numel() for p in model.parameters()], s["persistence_threshold"])
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
     leader = not under_torchrun or os.environ.get("RANK", "0") == "0"
     if leader:
@@ -220,7 +223,7 @@ def main():
     run = start(args)
     if not run["leader"]:
         return 0
-    results, world, num_params, kept = run["results"], run["world"], run["num_params"], run["kept"]
+    results, world = run["results"], run["world"]
     configs = args.configs
     if "ddp" in results:
         print("## Against DDP + AdamW\n")
@@ -237,7 +240,7 @@ def main():
         print(render(results, stage3_bases, ["zeroshard-stage3", *stage3_bases]))
         print()
     print("## Model-state memory per rank (the rank holding most)\n")
-    print(render_memory(results, configs, fp32_formulas(num_params, world, kept)))
+    print(render_memory(results, configs, formulas_of(run, configs)))
     print()
     print("## Losses (mean over ranks; held-out: one fixed batch after the last step)\n")
     print(render_losses(results, configs, "ddp"))

@@ -67,35 +67,8 @@ def render(results, baselines, configs):
     return "\n".join(lines)
 
 
-def fp32_formulas(n, world, kept_params=0):
-    """Model-state bytes per rank by config, fp32: {config: (bytes per parameter as text, bytes)}.
-    n parameters, kept_params of them below stage 3's persistence threshold."""
-    # fp32 AdamW: 4 B param + 4 B grad + 8 B (exp_avg, exp_avg_sq) per parameter; DDP adds
-    # gradient buckets the size of the grads (gradient_as_bucket_view=False, its default).
-    # Stage 3 shards all 16 B; a kept parameter also has its full copy (4 B) besides its shard.
-    return {"zeroshard-stage0": ("16", 16 * n), "zeroshard-stage1": (f"8 + 8/{world}", (8 + 8 / world) * n),
-            "zeroshard-stage2": (f"4 + 12/{world}", (4 + 12 / world) * n),
-            "zeroshard-stage3": (f"16/{world}, + 4 for {kept_params:,} kept", 16 / world * n + 4 * kept_params),
-            "ddp": ("16 + 4 buckets", 20 * n),
-            "ddp+zero-redundancy": (f"8 + 8/{world} + 4 buckets", (12 + 8 / world) * n),
-            "fsdp2": (f"16/{world}", 16 / world * n)}
-
-
-def bf16_formulas(n, world, kept_params=0):
-    """The same for bench_bf16.py's configs. zeroshard: 2 B bf16 param + 2 B bf16 grad + 12 B
-    fp32 master, exp_avg, exp_avg_sq (DESIGN.md's 16 bytes); a kept stage 3 parameter also has
-    its full bf16 copy (2 B). DDP under autocast and FSDP2 with a MixedPrecisionPolicy keep
-    fp32 parameters, gradients and AdamW state (16 B), the bf16 copies being transient."""
-    return {"zeroshard-stage0-bf16": ("16", 16 * n),
-            "zeroshard-stage1-bf16": (f"4 + 12/{world}", (4 + 12 / world) * n),
-            "zeroshard-stage2-bf16": (f"2 + 14/{world}", (2 + 14 / world) * n),
-            "zeroshard-stage3-bf16": (f"16/{world}, + 2 for {kept_params:,} kept", 16 / world * n + 2 * kept_params),
-            "ddp-autocast": ("16 + 4 buckets", 20 * n),
-            "fsdp2-bf16": (f"16/{world}", 16 / world * n)}
-
-
 def render_memory(results, configs, formulas):
-    """formulas: from fp32_formulas or bf16_formulas."""
+    """formulas: {config: (bytes per parameter as text, bytes)}, from steps.state_formula."""
     lines = ["| config | params MB | grads MB | optimizer MB | DDP buckets MB | total MB "
              "| gathered peak MB | formula (B/param) | formula MB | total / formula |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]

@@ -1,18 +1,60 @@
-"""One training step per benchmarked setup (zeroshard, DDP, DDP + ZeroRedundancyOptimizer,
-FSDP2), in fp32 (bench_stages.py) or bf16 mixed precision (bench_bf16.py), and what each holds
-in model state. make_step() turns a config name into its step."""
+"""One training step of each benchmarked setup, and what each should hold in model state.
+
+Every benchmark that trains goes through make_step(name, model, recipe): zeroshard at stages
+0-3, DDP + AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard), each in fp32
+(bench_stages.py) or bf16 mixed precision (bench_bf16.py, bench_gpu.py), and the single-process
+recipes bench_gpu.py compares with. A step is called with a batch of tokens and returns the loss;
+memory() reports the model state it holds. state_formula(name, ...) says what that should be, in
+model_state.py's terms.
+"""
 
 import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from gpt import next_token_loss
+from model_state import ELEMENT_BYTES, bytes_per_param, model_state_bytes
 
 FP32_CONFIGS = ("zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "ddp",
                 "ddp+zero-redundancy", "fsdp2")
 BF16_CONFIGS = ("zeroshard-stage0-bf16", "zeroshard-stage1-bf16", "zeroshard-stage2-bf16",
                 "zeroshard-stage3-bf16", "ddp-autocast", "fsdp2-bf16")
+# One process, no wrapper: bf16 weights with an fp32 master copy (zeroshard's recipe without the
+# engine), and fp32 weights under torch.autocast (the usual AMP recipe).
+SINGLE_PROCESS_CONFIGS = ("plain-bf16", "plain-autocast")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What every setup's step is built from. The defaults are zeroshard's (DeepSpeed's) and
+    torch.optim.AdamW's own; None leaves a size to each library."""
+
+    batch: int                      # sequences per rank per step (zeroshard's micro-batch)
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    fused: bool = False             # torch.optim.AdamW(fused=True) for the torch setups
+    bucket_elems: Optional[int] = None  # zeroshard reduce_bucket_size; DDP bucket_cap_mb of as many fp32 bytes
+    overlap_comm: bool = True       # zeroshard's, at every stage (DDP and FSDP2 always overlap)
+    persistence_threshold: int = 100_000  # zeroshard stage 3's stage3_param_persistence_threshold
+    prefetch_elems: Optional[int] = None  # zeroshard stage 3's stage3_prefetch_bucket_size
+    collective_timeout_seconds: Optional[float] = None
+    checkpoint_keep_last: Optional[int] = None
+
+    def adamw(self):
+        return dict(lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
+
+
+def fused_adamw_works(device="cpu"):
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))], fused=True)
+        return True
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _local(t):
@@ -30,67 +72,73 @@ def _optimizer_state_bytes(state):
     return sum(_local(v).nbytes for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def _adamw_kwargs(s):
-    return dict(lr=s["lr"], weight_decay=s["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
+def _device_type(model):
+    return next(model.parameters()).device.type
 
 
-def _torch_adamw(params, s):
-    kwargs = _adamw_kwargs(s)
-    if s["fused"]:
+def _torch_adamw(params, recipe):
+    kwargs = recipe.adamw()
+    if recipe.fused:
         kwargs["fused"] = True
     return torch.optim.AdamW(params, **kwargs)
 
 
-def _torch_adamw_name(s):
-    return "torch.optim.AdamW" + ("(fused=True)" if s["fused"] else "")
+def _torch_adamw_name(recipe):
+    return "torch.optim.AdamW" + ("(fused=True)" if recipe.fused else "")
 
 
-def fused_adamw_works():
-    try:
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
-        return True
-    except (RuntimeError, ValueError):
-        return False
+class Step:
+    """What a benchmark calls: step(tokens) trains one step and returns its loss; memory() is
+    the model state held per rank (params, grads, optimizer, comm_buffers, total; bytes);
+    forward_context() wraps an eval forward in the step's own precision; extras() adds raw
+    numbers for --json; optimizer_name says what took the step."""
+
+    optimizer_name = ""
+
+    def forward_context(self):
+        return contextlib.nullcontext()
+
+    def extras(self):
+        return {}
 
 
-def _ddp_bucket_bytes(ddp):
-    """Bytes of DDP's gradient buckets: separate from .grad unless gradient_as_bucket_view."""
-    data = ddp._get_ddp_logging_data()  # private, but the only place DDP reports its buckets
-    sizes = data.get("bucket_sizes")
-    if not sizes or data.get("gradient_as_bucket_view"):
-        return 0 if sizes else None
-    return sum(int(s) for s in str(sizes).split(",") if s.strip())
+def _memory(params, grads, optimizer, comm_buffers=0):
+    return dict(params=params, grads=grads, optimizer=optimizer, comm_buffers=comm_buffers,
+                total=params + grads + optimizer + (comm_buffers or 0))
 
 
-def _autocast(enabled):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-class ZeroshardStep:
-    def __init__(self, model, stage, s, bf16=False):
+class ZeroshardStep(Step):
+    def __init__(self, model, stage, recipe, bf16=False):
         import zeroshard
 
-        config = {
-            "train_micro_batch_size_per_gpu": s["batch"],
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {**_adamw_kwargs(s), "betas": [0.9, 0.999]}},
-            # overlap_comm on at every stage unless --overlap-comm off (DeepSpeed's default is off
-            # below stage 3): DDP and FSDP2 overlap their reductions with backward too.
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": s["bucket_elems"],
-                                  "overlap_comm": s.get("overlap_comm", True)},
-        }
+        zero = {"stage": stage, "overlap_comm": recipe.overlap_comm}
+        if recipe.bucket_elems is not None:
+            zero["reduce_bucket_size"] = recipe.bucket_elems
+        extras = {}
+        if stage == 3:
+            # Units named by class rather than found as the largest nn.ModuleList, so they are the
+            # blocks fsdp2 shards whatever gpt.py's layout. Below the threshold only biases and
+            # LayerNorms stay gathered.
+            zero["stage3_param_persistence_threshold"] = recipe.persistence_threshold
+            if recipe.prefetch_elems is not None:
+                zero["stage3_prefetch_bucket_size"] = recipe.prefetch_elems
+            extras["stage3_unit_classes"] = ["Block"]
+        if recipe.collective_timeout_seconds is not None:
+            extras["collective_timeout_seconds"] = recipe.collective_timeout_seconds
+        if recipe.checkpoint_keep_last is not None:
+            extras["checkpoint"] = {"keep_last": recipe.checkpoint_keep_last}
+        adamw = recipe.adamw()
+        config = {"train_micro_batch_size_per_gpu": recipe.batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}},
+                  "zero_optimization": zero}
         if bf16:
             # bf16 parameters, gradients and gathers; fp32 master weights and AdamW state;
             # gradients reduced in bf16 (reduce_dtype "compute", the default).
             config["bf16"] = {"enabled": True}
-        if stage == 3:
-            # Default prefetch and reshard_after_forward; units named by class rather than found
-            # as the largest nn.ModuleList, so they are the blocks fsdp2 shards whatever gpt.py's
-            # layout. Below the threshold only biases and LayerNorms stay gathered.
-            config["zero_optimization"]["stage3_param_persistence_threshold"] = s["persistence_threshold"]
-            config["zeroshard"] = {"stage3_unit_classes": ["Block"]}
+        if extras:
+            config["zeroshard"] = extras
         self.engine = zeroshard.initialize(model, config)
+        self.model = model
         self.optimizer_name = "zeroshard sharded AdamW (at::_fused_adamw_)" + (", fp32 master" if bf16 else "")
 
     def __call__(self, tokens):
@@ -99,9 +147,7 @@ class ZeroshardStep:
         self.engine.step()
         return loss
 
-    def forward_context(self):
-        # With bf16 the engine converted the model: it computes in bf16 without autocast.
-        return contextlib.nullcontext()
+    # forward_context: with bf16 the engine converted the model; it computes in bf16 without autocast.
 
     def memory(self):
         m = self.engine.memory_stats()
@@ -114,52 +160,76 @@ class ZeroshardStep:
         return {"comm_stats": self.engine.comm_stats(), "memory_stats": self.engine.memory_stats()}
 
 
-class DDPStep:
-    """DDP + torch.optim.AdamW, or DDP + ZeroRedundancyOptimizer(AdamW) (its documented use).
-    autocast: forward and loss under torch.autocast("cpu", bfloat16) with fp32 parameters,
-    gradients and AdamW (the usual AMP recipe; bf16 needs no GradScaler)."""
+class TorchStep(Step):
+    """zero_grad, forward and loss (under torch.autocast(bfloat16) with `autocast`: fp32
+    parameters, gradients and AdamW; bf16 needs no GradScaler), loss.backward(),
+    optimizer.step(): plain-autocast as it is, and the steps of DDP and FSDP2.
 
-    def __init__(self, model, zero, s, autocast=False):
-        from torch.nn.parallel import DistributedDataParallel
+    Gradients are zeroed first, so the last step's are alive where memory is read; keep_grads
+    zeroes them in place rather than dropping them, so that they stay allocated through the
+    next forward as zeroshard's flat gradients do (bench_gpu.py's peaks)."""
 
-        self.model = model
-        self.autocast = autocast
-        # Bucket capacity as close as DDP allows to zeroshard's reduce_bucket_size (in fp32
-        # elements: DDP's gradients stay fp32 under autocast).
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=s["bucket_elems"] * 4 / 2**20)
-        if zero:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            kwargs = _adamw_kwargs(s)
-            if s["fused"]:
-                kwargs["fused"] = True
-            self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
-            self.local_state = self.optimizer.optim.state
-            self.optimizer_name = f"ZeroRedundancyOptimizer({_torch_adamw_name(s)})"
-        else:
-            self.optimizer = _torch_adamw(model.parameters(), s)
-            self.local_state = self.optimizer.state
-            self.optimizer_name = _torch_adamw_name(s)
+    def __init__(self, model, recipe, wrapped=None, autocast=False, keep_grads=False, optimizer=None,
+                 optimizer_name=None, local_state=None):
+        self.model, self.wrapped = model, wrapped or model
+        self.autocast, self.keep_grads = autocast, keep_grads
+        self.optimizer = optimizer or _torch_adamw(model.parameters(), recipe)
+        self.optimizer_name = optimizer_name or _torch_adamw_name(recipe)
+        self.local_state = self.optimizer.state if local_state is None else local_state
 
     def __call__(self, tokens):
-        # Zeroing first leaves the last step's gradients alive at the end, where memory is read.
-        self.optimizer.zero_grad(set_to_none=True)
-        with _autocast(self.autocast):
-            loss = next_token_loss(self.ddp(tokens[:, :-1]), tokens)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        with self.forward_context():
+            loss = next_token_loss(self.wrapped(tokens[:, :-1]), tokens)
         loss.backward()
         self.optimizer.step()
         return loss
 
     def forward_context(self):
-        return _autocast(self.autocast)
+        if self.autocast:
+            return torch.autocast(_device_type(self.model), dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def comm_buffers(self):
+        return 0
 
     def memory(self):
         params = list(self.model.parameters())
-        buckets = _ddp_bucket_bytes(self.ddp)
-        m = dict(params=_nbytes(params), grads=_nbytes(p.grad for p in params),
-                 optimizer=_optimizer_state_bytes(self.local_state), comm_buffers=buckets)
-        m["total"] = m["params"] + m["grads"] + m["optimizer"] + (buckets or 0)
-        return m
+        return _memory(_nbytes(params), _nbytes(p.grad for p in params), _optimizer_state_bytes(self.local_state),
+                       self.comm_buffers())
+
+
+class DDPStep(TorchStep):
+    """DDP + torch.optim.AdamW, or DDP + ZeroRedundancyOptimizer(AdamW) (its documented use);
+    autocast: the AMP recipe (TorchStep)."""
+
+    def __init__(self, model, zero, recipe, autocast=False):
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Bucket capacity as close as DDP allows to zeroshard's reduce_bucket_size (in fp32
+        # elements: DDP's gradients stay fp32 under autocast).
+        kwargs = {} if recipe.bucket_elems is None else {"bucket_cap_mb": recipe.bucket_elems * 4 / 2**20}
+        self.ddp = DistributedDataParallel(model, **kwargs)
+        optimizer = name = local_state = None
+        if zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            kwargs = recipe.adamw()
+            if recipe.fused:
+                kwargs["fused"] = True
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+            name = f"ZeroRedundancyOptimizer({_torch_adamw_name(recipe)})"
+            local_state = optimizer.optim.state
+        super().__init__(model, recipe, wrapped=self.ddp, autocast=autocast, optimizer=optimizer,
+                         optimizer_name=name, local_state=local_state)
+
+    def comm_buffers(self):
+        """Bytes of DDP's gradient buckets: separate from .grad unless gradient_as_bucket_view."""
+        data = self.ddp._get_ddp_logging_data()  # private, but the only place DDP reports its buckets
+        sizes = data.get("bucket_sizes")
+        if not sizes or data.get("gradient_as_bucket_view"):
+            return 0 if sizes else None
+        return sum(int(s) for s in str(sizes).split(",") if s.strip())
 
     def extras(self):
         # Logging data keeps the construction-time buckets (one, until the first backward
@@ -169,61 +239,103 @@ class DDPStep:
                 "ddp_bucket_bytes": current}
 
 
-class FSDP2Step:
+class FSDP2Step(TorchStep):
     """FSDP2's standard recipe: fully_shard on every block, then on the root (which takes the
-    embeddings, final norm and head), reshard_after_forward=True; AdamW on the DTensor shards.
+    embeddings, final norm and head), reshard_after_forward=True; AdamW on the DTensor shards,
+    whose local shards memory() counts: after backward every unit is resharded, and .grad is the
+    reduce-scattered shard (the all-gather and reduce-scatter buffers are transient).
     bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) on every fully_shard call:
-    fp32 sharded parameters, gradients and AdamW; bf16 gathers, compute and reduce-scatters."""
+    fp32 sharded parameters, gradients and AdamW; bf16 gathers, compute and reduce-scatters (the
+    policy casts inside fully_shard's hooks: no autocast)."""
 
-    def __init__(self, model, s, bf16=False):
+    def __init__(self, model, recipe, bf16=False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(_device_type(model), (dist.get_world_size(),))
         kwargs = {"mesh": mesh}
         if bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for block in model.blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        self.model = model
         # fused=True runs on CPU DTensor parameters (checked with torch 2.13: same losses as
         # foreach and the default), so fsdp2 uses whatever the DDP rows use.
-        self.optimizer = _torch_adamw(model.parameters(), s)
-        self.optimizer_name = _torch_adamw_name(s) + " on DTensor shards"
+        super().__init__(model, recipe)
+        self.optimizer_name += " on DTensor shards"
+
+
+class MasterWeightsStep(Step):
+    """bf16 model, fp32 master weights, torch.optim.AdamW on the master: zeroshard's recipe in
+    one process without the engine (bench_gpu.py's fair peer)."""
+
+    def __init__(self, model, recipe):
+        self.model, self.params = model, list(model.parameters())
+        self.master = [p.detach().clone() for p in self.params]
+        model.to(torch.bfloat16)
+        self.optimizer = _torch_adamw(self.master, recipe)
+        self.optimizer_name = _torch_adamw_name(recipe) + " on an fp32 master"
 
     def __call__(self, tokens):
-        self.optimizer.zero_grad(set_to_none=True)
         loss = next_token_loss(self.model(tokens[:, :-1]), tokens)
         loss.backward()
+        for m, p in zip(self.master, self.params):
+            m.grad = p.grad.float()  # transient fp32 gradient, as zeroshard's step makes it
         self.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+            for m, p in zip(self.master, self.params):
+                m.grad = None
+                p.grad.zero_()  # kept allocated, like zeroshard's flat gradients
         return loss
 
-    def forward_context(self):
-        # The mixed-precision policy casts inside fully_shard's hooks.
-        return contextlib.nullcontext()
-
     def memory(self):
-        # Local shards only: after backward every unit is resharded, and .grad is the
-        # reduce-scattered shard. FSDP2's all-gather and reduce-scatter buffers are transient.
-        params = list(self.model.parameters())
-        m = dict(params=_nbytes(params), grads=_nbytes(p.grad for p in params),
-                 optimizer=_optimizer_state_bytes(self.optimizer.state), comm_buffers=0)
-        m["total"] = m["params"] + m["grads"] + m["optimizer"]
-        return m
-
-    def extras(self):
-        return {}
+        # The fp32 master counts with the optimizer state, as in zeroshard's memory_stats().
+        return _memory(_nbytes(self.params), _nbytes(p.grad for p in self.params),
+                       _nbytes(self.master) + _optimizer_state_bytes(self.optimizer.state))
 
 
-def make_step(name, model, s):
-    """The step of config `name` (one of FP32_CONFIGS or BF16_CONFIGS), wrapping `model`."""
+def make_step(name, model, recipe):
+    """The step of config `name` (FP32_CONFIGS, BF16_CONFIGS or SINGLE_PROCESS_CONFIGS)
+    around `model`."""
     bf16 = name.endswith("-bf16")
     base = name[:-len("-bf16")] if bf16 else name
     if base.startswith("zeroshard-stage"):
-        return ZeroshardStep(model, int(base[-1]), s, bf16=bf16)
+        return ZeroshardStep(model, int(base[-1]), recipe, bf16=bf16)
     if base == "fsdp2":
-        return FSDP2Step(model, s, bf16=bf16)
+        return FSDP2Step(model, recipe, bf16=bf16)
     if base in ("ddp", "ddp+zero-redundancy", "ddp-autocast"):
-        return DDPStep(model, zero=(base == "ddp+zero-redundancy"), s=s, autocast=(base == "ddp-autocast"))
+        return DDPStep(model, zero=(base == "ddp+zero-redundancy"), recipe=recipe, autocast=(base == "ddp-autocast"))
+    if name == "plain-bf16":
+        return MasterWeightsStep(model, recipe)
+    if name == "plain-autocast":
+        # Zeroed in place: allocated through the forward, as zeroshard's flat gradients are.
+        return TorchStep(model, recipe, autocast=True, keep_grads=True)
     raise ValueError(f"unknown config {name}")
+
+
+# Each torch setup's model state in ZeRO terms: (the stage that shards the same states, the
+# precision of its states, whether DDP's gradient buckets come on top).
+_STATE_AS_ZERO = {"ddp": (0, "fp32", True), "ddp+zero-redundancy": (1, "fp32", True),
+                  "ddp-autocast": (0, "fp32", True), "fsdp2": (3, "fp32", False), "fsdp2-bf16": (3, "fp32", False),
+                  "plain-bf16": (0, "bf16", False), "plain-autocast": (0, "fp32", False)}
+
+
+def state_formula(name, num_params, world_size, kept_params=0):
+    """(bytes per parameter as text, bytes) of model state that config `name` holds per rank
+    for num_params parameters, kept_params of them below zeroshard stage 3's persistence
+    threshold. DDP's buckets are as large as the gradients (gradient_as_bucket_view=False, its
+    default); FSDP2 keeps no gathered copy between steps; DDP under autocast and FSDP2 with a
+    MixedPrecisionPolicy keep fp32 parameters, gradients and AdamW state, the bf16 copies being
+    transient."""
+    if name.startswith("zeroshard-stage"):
+        stage, precision = int(name[len("zeroshard-stage")]), "bf16" if name.endswith("-bf16") else "fp32"
+        kept = kept_params if stage == 3 else None
+        state = model_state_bytes(stage, world_size, num_params, precision, persistent=kept or 0)
+        return bytes_per_param(stage, world_size, precision, kept), sum(state.values())
+    stage, precision, buckets = _STATE_AS_ZERO[name]
+    state = model_state_bytes(stage, world_size, num_params, precision)
+    text, total = bytes_per_param(stage, world_size, precision), sum(state.values())
+    if buckets:
+        text, total = text + f" + {ELEMENT_BYTES[precision]['grads']} buckets", total + state["grads"]
+    return text, total

@@ -3,6 +3,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "zeroshard/comm/communicator.h"
+#include "zeroshard/comm/process_group.h"
 
 #include <chrono>
 
@@ -83,6 +84,14 @@ void bindCommunicator(py::module_& m) {
           "tensor"_a, "root"_a, py::kw_only(), "async_op"_a = false)
       .def("stats", [](const Communicator& c) { return commStatsDict(c.stats()); })
       .def("reset_stats", &Communicator::resetStats);
+  m.def(
+      "_choose_device",
+      [](int localRank, int localWorldSize, int visibleGpus) {
+        const auto c = chooseDevice(localRank, localWorldSize, visibleGpus);
+        return py::make_tuple(c.useGpu, c.gpu, c.warning);
+      },
+      "local_rank"_a, "local_world_size"_a, "visible_gpus"_a,
+      "The one-GPU-per-local-rank rule (comm/process_group.h): (use_gpu, gpu, warning).");
 }
 
 } // namespace zeroshard::python

@@ -5,19 +5,38 @@
 
 #include "zeroshard/engine.h"
 
+#include <algorithm>
+#include <iterator>
+#include <string_view>
+
 namespace py = pybind11;
 using namespace pybind11::literals;
 
 namespace zeroshard::python {
 namespace {
 
-// groups: [{"names": [str], "params": [Tensor], optional "lr", "weight_decay", "betas", "eps"}]
+// "names" is filled in by _param_groups; users give the others.
+constexpr std::string_view kGroupKeys[] = {"betas", "eps", "lr", "names", "params", "weight_decay"};
+
+// groups: [{"params": [Tensor], "names": [str] (optional before naming), optional "lr",
+// "weight_decay", "betas", "eps"}]
 std::vector<ParamGroupSpec> groupSpecs(const py::list& groups) {
   std::vector<ParamGroupSpec> specs;
-  for (const auto& item : groups) {
-    const auto group = item.cast<py::dict>();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto group = groups[g].cast<py::dict>();
+    std::string unknown;
+    for (const auto& [key, value] : group) {
+      const auto name = py::str(key).cast<std::string>();
+      if (std::find(std::begin(kGroupKeys), std::end(kGroupKeys), name) == std::end(kGroupKeys)) {
+        unknown += (unknown.empty() ? "'" : ", '") + name + "'";
+      }
+    }
+    if (!unknown.empty()) {
+      throw py::value_error("zeroshard.initialize: param group " + std::to_string(g) + " has unknown keys [" + unknown +
+                            "]; allowed: ['betas', 'eps', 'lr', 'params', 'weight_decay']");
+    }
     ParamGroupSpec spec;
-    spec.names = group["names"].cast<std::vector<std::string>>();
+    if (group.contains("names")) spec.names = group["names"].cast<std::vector<std::string>>();
     spec.params = group["params"].cast<std::vector<at::Tensor>>();
     if (group.contains("lr")) spec.lr = group["lr"].cast<double>();
     if (group.contains("weight_decay")) spec.weightDecay = group["weight_decay"].cast<double>();
@@ -32,9 +51,41 @@ std::vector<ParamGroupSpec> groupSpecs(const py::list& groups) {
   return specs;
 }
 
+py::list groupDicts(const std::vector<ParamGroupSpec>& specs) {
+  py::list out;
+  for (const auto& spec : specs) {
+    py::dict group("names"_a = spec.names, "params"_a = spec.params);
+    if (spec.lr) group["lr"] = *spec.lr;
+    if (spec.weightDecay) group["weight_decay"] = *spec.weightDecay;
+    if (spec.eps) group["eps"] = *spec.eps;
+    if (spec.beta1) group["betas"] = py::make_tuple(*spec.beta1, *spec.beta2);
+    out.append(group);
+  }
+  return out;
+}
+
 } // namespace
 
 void bindEngine(py::module_& m) {
+  m.def(
+      "_param_groups",
+      [](const py::list& groups, const std::vector<std::pair<std::string, at::Tensor>>& modelParams) {
+        return groupDicts(nameParamGroups(groupSpecs(groups), modelParams));
+      },
+      "groups"_a, "model_params"_a,
+      "Names and checks param groups by the model's parameters (layout/param_groups.h).");
+  m.def(
+      "_assign_units",
+      [](const std::vector<std::pair<std::string, at::Tensor>>& modelParams, const std::vector<std::string>& names,
+         const std::vector<std::vector<at::Tensor>>& unitParams) {
+        py::list out;
+        for (const auto& spec : assignUnits(modelParams, names, unitParams)) {
+          out.append(py::dict("name"_a = spec.name, "params"_a = spec.paramNames, "root"_a = spec.root));
+        }
+        return out;
+      },
+      "model_params"_a, "unit_names"_a, "unit_params"_a,
+      "Stage 3: which parameters each unit holds (stage3/unit_builder.h).");
   py::class_<Engine, HolderWithoutGil<Engine>>(m, "Engine")
       .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
                        const py::list& units) {
@@ -97,6 +148,7 @@ void bindEngine(py::module_& m) {
              }
              return units;
            })
+      .def("set_module_state_from", &Engine::setModuleStateFrom, "state_dict"_a)
       .def("set_module_state",
            [](Engine& e, std::vector<std::string> keys, std::vector<std::pair<std::string, at::Tensor>> tensors,
               std::vector<std::pair<std::string, std::string>> aliases) {
@@ -113,15 +165,26 @@ void bindEngine(py::module_& m) {
            "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",
            [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError,
-              bool optimizerStates) {
+              bool optimizerStates, const py::object& checkClientState) {
+             LoadOptions options{optimizerStates, rankError, {}};
+             if (!checkClientState.is_none()) {
+               // Called from inside the load (GIL released), before anything changes; it is
+               // destroyed with `options`, below, under the GIL.
+               options.checkClientState = [checkClientState](const std::string& blob) {
+                 py::gil_scoped_acquire gil;
+                 const py::object error = checkClientState(py::bytes(blob));
+                 return error.is_none() ? std::string() : error.cast<std::string>();
+               };
+             }
              LoadedCheckpoint loaded;
              {
                py::gil_scoped_release noGil;
-               loaded = e.loadCheckpoint(dir, tag, LoadOptions{optimizerStates, rankError});
+               loaded = e.loadCheckpoint(dir, tag, options);
              }
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
-           "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true)
+           "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true,
+           "check_client_state"_a = py::none())
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
       .def("get_lr", &Engine::learningRate, "group"_a = 0);
 }

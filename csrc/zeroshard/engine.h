@@ -11,12 +11,16 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "zeroshard/layout/bucket.h"
-#include "zeroshard/checkpoint/checked_file.h"
+#include "zeroshard/layout/param_groups.h"
+#include "zeroshard/checkpoint/engine_checkpoint.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/optim/loss_scaler.h"
+#include "zeroshard/optim/bucket_slots.h"
+#include "zeroshard/optim/master_weights.h"
 #include "zeroshard/optim/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
+#include "zeroshard/stage3/unit_builder.h"
 #include "zeroshard/stage3/unit_scheduler.h"
 
 #include <functional>
@@ -37,38 +41,6 @@ namespace zeroshard {
 
 class GradReducer;
 class GradStorage;
-struct CheckpointManifest;
-
-// Stage 3: one unit of the model (e.g. one transformer block): the names of its parameters.
-// Parameters of at most stage3_param_persistence_threshold elements leave their unit for one
-// unit that stays gathered. The root unit (what no other unit holds) is not released after
-// forward, since backward starts with it.
-struct UnitSpec {
-  std::string name;
-  std::vector<std::string> paramNames;
-  bool root = false;
-};
-
-// Stage 3: a unit as the engine built it. `numel` counts the elements it gathers and releases
-// (its parameters but the persistent ones); `persistent` are its parameters of at most
-// stage3_param_persistence_threshold elements, which stay gathered for the whole run in one
-// shared unit (each costs a full copy on every rank plus its optimizer shard).
-struct UnitInfo {
-  std::string name;
-  int64_t numel = 0;
-  std::vector<std::string> params;
-  std::vector<std::string> persistent;
-  int64_t persistentNumel = 0;
-  bool root = false;
-};
-
-// One optimizer param group: its parameters (leaf tensors that require grad) with their names,
-// and hyper-parameters that override the config's optimizer.params.
-struct ParamGroupSpec {
-  std::vector<std::string> names;
-  std::vector<at::Tensor> params;
-  std::optional<double> lr, weightDecay, beta1, beta2, eps;
-};
 
 // Bytes of model state this rank holds (padding included): compute-dtype parameters,
 // gradients (full or sharded, by stage) and optimizer state (exp_avg, exp_avg_sq, and the fp32
@@ -89,32 +61,6 @@ struct MemoryStats {
   // last optimizer step (one shard's worth: they are made one at a time). Not in the total.
   int64_t fp32GradsPeakBytes = 0;
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
-};
-
-// Module state a checkpoint must hold that the engine does not shard: buffers and frozen
-// parameters (whole on every rank), and state-dict names under which a trained parameter
-// appears a second time (tied weights). With it, a checkpoint converts to a complete state
-// dict in the model's own order.
-struct ModuleState {
-  std::vector<std::string> keys;  // every state-dict name, in the model's order
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
-};
-
-struct LoadOptions {
-  // false: only the weights (fine-tuning from a checkpoint): AdamW state, step count,
-  // hyper-parameters, loss scale and counters stay as this engine has them, and the param
-  // groups may be split differently from the saving run's. DeepSpeed's load_optimizer_states.
-  bool optimizerStates = true;
-  // Not empty: an error this rank met before the call (e.g. reading its client state); the
-  // load then fails on every rank, naming it, and changes nothing.
-  std::string rankError;
-};
-
-struct LoadedCheckpoint {
-  std::string path;         // the checkpoint directory read
-  std::string tag;
-  std::string clientState;  // what save_checkpoint was given (empty if nothing)
 };
 
 class Engine {
@@ -182,7 +128,7 @@ class Engine {
   void gatherParameters();
   void reshardParameters();
 
-  // Checkpoints (engine_checkpoint.cpp; the format is in checkpoint_manifest.h). Both are
+  // Checkpoints (checkpoint/engine_checkpoint.h; the format is in checkpoint/manifest.h). Both are
   // collective and blocking: every rank calls them between optimizer steps, with the same
   // arguments. saveCheckpoint writes this rank's shards in parallel with the others and
   // returns the published checkpoint's path; `tag` empty means "global_step<N>". clientState
@@ -192,6 +138,8 @@ class Engine {
   // serializing its client state): the call then fails on every rank, naming it, and changes
   // nothing (for loads it is LoadOptions::rankError).
   void setModuleState(ModuleState state);
+  // The same from the model's state dict, every name in order (moduleStateOf).
+  void setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict);
   std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "",
                              const std::string& rankError = "");
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
@@ -202,20 +150,14 @@ class Engine {
   double learningRate(int group = 0);
 
  private:
-  void buildBuckets(std::vector<ParamGroupSpec>& groups);
-  std::vector<UnitPolicy> buildUnits(const std::vector<ParamGroupSpec>& groups, const std::vector<UnitSpec>& units);
   void registerShards();
   void clipGradients();
   bool overflowed();
   void finishStep();
   void gatherParams();
   void zeroGrads();
-  // Checkpoints.
-  ShardRange heldRange(size_t bucket) const;
-  at::Tensor savedShard(size_t bucket, size_t kind) const;
-  FileDigest writeRankFile(const std::string& dir) const;
-  void checkCheckpointMatches(const CheckpointManifest& manifest, bool sameGroups) const;
-  void agreeAcrossRanks(const std::string& what, const std::string& outcome, const std::function<void()>& work);
+  CheckpointedState checkpointedState();
+  void checkBetweenSteps(const char* call) const;
 
   Config config_;
   Communicator comm_;
@@ -225,21 +167,14 @@ class Engine {
   int64_t skippedSteps_ = 0;
   BatchSizes batchSizes_;
   std::vector<Bucket> buckets_;
+  std::optional<MasterWeights> masters_;  // built with the buckets
   ShardedAdamW optimizer_;
   std::unique_ptr<GradStorage> grads_;  // before reducer_, which drives it
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<UnitScheduler> units_;
-  std::vector<int> specToUnit_;
+  std::vector<std::optional<UnitIndex>> specToUnit_;  // none: a unit without parameters of its own
   std::vector<UnitInfo> unitInfos_;
-  // Where each bucket's optimizer state lives: the shards registered with the optimizer, by
-  // their offset within heldRange(bucket).
-  struct OptimizerSlot {
-    int group;
-    size_t index;
-    int64_t offset;
-    int64_t numel;
-  };
-  std::vector<std::vector<OptimizerSlot>> slots_;
+  std::vector<std::vector<OptimizerSlot>> slots_;  // each bucket's optimizer state
   ModuleState moduleState_;
   int64_t microSteps_ = 0;
   bool backwardSinceStep_ = false;

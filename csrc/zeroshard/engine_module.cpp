@@ -11,72 +11,43 @@
 namespace zeroshard {
 namespace {
 
-std::vector<ParamGroupSpec> trainableParams(torch::nn::Module& model) {
-  ParamGroupSpec group;
-  std::unordered_set<const void*> seen;  // a tied parameter appears under several names
+// Every parameter once, under its first name (a tied parameter appears under several).
+std::vector<std::pair<std::string, at::Tensor>> uniqueParams(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const void*> seen;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;  // frozen parameters stay as they are
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    group.names.push_back(item.key());
-    group.params.push_back(item.value());
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
   }
-  return {std::move(group)};
+  return out;
 }
 
-// A parameter belongs to the one named unit that holds it; the rest, and parameters that
-// several units share, belong to the root unit (last).
 std::vector<UnitSpec> unitSpecs(torch::nn::Module& model, const std::vector<std::string>& unitModules) {
   if (unitModules.empty()) return {};
   const auto modules = model.named_modules("", /*include_self=*/false);
-  std::unordered_map<const void*, std::vector<size_t>> owners;
-  for (size_t u = 0; u < unitModules.size(); ++u) {
-    const auto* module = modules.find(unitModules[u]);
-    TORCH_CHECK(module, "zeroshard stage 3: the model has no submodule '", unitModules[u], "'");
-    for (const auto& p : (*module)->parameters(/*recurse=*/true)) owners[p.unsafeGetTensorImpl()].push_back(u);
+  std::vector<std::vector<at::Tensor>> unitParams;
+  for (const auto& name : unitModules) {
+    const auto* module = modules.find(name);
+    TORCH_CHECK(module, "zeroshard stage 3: the model has no submodule '", name, "'");
+    unitParams.push_back((*module)->parameters(/*recurse=*/true));
   }
-  std::vector<UnitSpec> specs;
-  for (const auto& name : unitModules) specs.push_back(UnitSpec{name, {}, false});
-  specs.push_back(UnitSpec{"<root>", {}, true});
-  std::unordered_set<const void*> seen;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const auto& p = item.value();
-    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
-    auto it = owners.find(p.unsafeGetTensorImpl());
-    const bool single = it != owners.end() && it->second.size() == 1;
-    specs[single ? it->second.front() : unitModules.size()].paramNames.push_back(item.key());
-  }
-  return specs;
+  return assignUnits(uniqueParams(model), unitModules, unitParams);
 }
 
-// Frozen parameters and buffers are saved whole; a second name of a trained parameter is an
-// alias of its first.
-ModuleState moduleStateOf(torch::nn::Module& model) {
-  ModuleState state;
-  std::unordered_map<const void*, std::string> firstName;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const auto& p = item.value();
-    auto [it, first] = firstName.emplace(p.unsafeGetTensorImpl(), item.key());
-    if (!first && !p.requires_grad()) continue;  // a tied frozen parameter is saved once
-    state.keys.push_back(item.key());
-    if (!first) {
-      state.aliases.emplace_back(item.key(), it->second);
-    } else if (!p.requires_grad()) {
-      state.tensors.emplace_back(item.key(), p);
-    }
-  }
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
-    state.keys.push_back(item.key());
-    state.tensors.emplace_back(item.key(), item.value());
-  }
-  return state;
+// The C++ frontend's state order (what torch::save writes): parameters, then buffers.
+std::vector<std::pair<std::string, at::Tensor>> stateOf(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+  return out;
 }
 
 } // namespace
 
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules)
-    : Engine(trainableParams(model), std::move(processGroup), std::move(config), unitSpecs(model, unitModules)) {
-  setModuleState(moduleStateOf(model));
+    : Engine(nameParamGroups({}, uniqueParams(model)), std::move(processGroup), std::move(config),
+             unitSpecs(model, unitModules)) {
+  setModuleStateFrom(stateOf(model));
 }
 
 } // namespace zeroshard

@@ -18,9 +18,6 @@ import torch.distributed as dist
 from zeroshard import _C, stage3
 from zeroshard._warnings import warn_at_caller
 
-_GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps"}
-
-
 def _load_config(config):
     if isinstance(config, _C.Config):
         return config
@@ -57,48 +54,24 @@ def init_distributed(timeout_seconds=600.0):
     # (A RANK or WORLD_SIZE missing is init_process_group's error to report.)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    # A GPU for every rank on this machine, or none used: all ranks must choose alike.
-    if torch.cuda.is_available():
-        if local_world <= torch.cuda.device_count():
-            torch.cuda.set_device(local_rank)
-            backend = "cpu:gloo,cuda:nccl"
-        else:
-            warn_at_caller(f"zeroshard: {local_world} ranks on this machine but {torch.cuda.device_count()} "
-                           "visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
-                           "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.")
+    # A GPU for every rank on this machine, or none used (the rule is the C++ launcher's too).
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_gpu, gpu, warning = _C._choose_device(local_rank, local_world, gpus)
+    if use_gpu:
+        torch.cuda.set_device(gpu)
+        backend = "cpu:gloo,cuda:nccl"
+    elif warning:
+        warn_at_caller(warning)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
     return dist.group.WORLD
 
 
 def _param_groups(model, param_groups):
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-    if param_groups is None:
-        param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    groups, placed = [], set()
-    for i, group in enumerate(param_groups):
-        if not isinstance(group, dict):
-            group = {"params": group}
-        unknown = set(group) - _GROUP_KEYS
-        if unknown:
-            raise ValueError(f"zeroshard.initialize: param group {i} has unknown keys {sorted(unknown)}; "
-                             f"allowed: {sorted(_GROUP_KEYS)}")
-        params = list(group["params"])
-        for p in params:
-            if id(p) not in names:
-                raise ValueError(f"zeroshard.initialize: param group {i} holds a tensor of shape "
-                                 f"{tuple(p.shape)} that is not a parameter of the model")
-        spec = {k: v for k, v in group.items() if k != "params"}
-        spec["names"] = [names[id(p)] for p in params]
-        spec["params"] = params
-        groups.append(spec)
-        placed.update(id(p) for p in params)
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in placed]
-    if missing:
-        raise ValueError(f"zeroshard.initialize: trainable parameters {missing} are in no param group; "
-                         f"add them to a group or set requires_grad=False")
-    return groups
+    """[{"names", "params", and the group's lr, weight_decay, betas, eps}], named and checked in
+    C++ (a tensor that is not the model's, a trainable parameter in no group, an unknown key)."""
+    groups = [g if isinstance(g, dict) else {"params": g} for g in param_groups or []]
+    groups = [{**g, "params": list(g["params"])} if "params" in g else g for g in groups]
+    return _C._param_groups(groups, list(model.named_parameters()))
 
 
 class Engine:
@@ -205,24 +178,27 @@ class Engine:
         (path, client_state), as DeepSpeed does; on any error nothing changes on any rank.
         load_optimizer_states=False takes only the weights (and buffers): AdamW state, step
         count, lr and loss scale stay this engine's, e.g. to fine-tune from a checkpoint."""
-        client_state, error = {}, ""
-        try:
-            # Read first: an unreadable client state must stop the load before it changes anything.
-            blob = _C.CheckpointReader(os.fspath(load_dir), tag).client_state()
-            client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
-        except RuntimeError as e:
-            error = str(e)
-        except Exception as e:
-            error = f"client_state cannot be read: {type(e).__name__}: {e}"
+        client_state = {}
+
+        def unpickle(blob):
+            # Called by the load once it has read the client state, before it changes anything:
+            # an unreadable one fails the load on every rank.
+            nonlocal client_state
+            try:
+                client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
+            except Exception as e:
+                return f"client_state cannot be read: {type(e).__name__}: {e}"
+            return None
+
         self._refresh_module_state()
-        path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", error,
-                                                       load_optimizer_states)
+        path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", "", load_optimizer_states,
+                                                       unpickle)
         return path, client_state
 
     def _refresh_module_state(self):
         # Buffers may have been replaced since initialize() (a reassigned attribute, a lazily
         # registered cache): the checkpoint takes the module's state as it is now.
-        self._core.set_module_state(*_module_state(self.module, self._trained))
+        self._core.set_module_state_from(list(self.module.state_dict(keep_vars=True).items()))
 
     def set_lr(self, lr, group=-1):
         self._core.set_lr(lr, group)
@@ -265,7 +241,7 @@ def initialize(model, config, process_group=None, param_groups=None):
         core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
         hooks += stage3.install_hooks(core, model, units)
     trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
-    core.set_module_state(*_module_state(model, trained))
+    core.set_module_state_from(list(model.state_dict(keep_vars=True).items()))
     return Engine(model, core, cfg, hooks, trained)
 
 
@@ -276,21 +252,6 @@ def _client_state_bytes(client_state):
     # load_checkpoint reads it with weights_only=True: refuse now what it would refuse then.
     torch.load(io.BytesIO(blob), weights_only=True)
     return blob
-
-
-def _module_state(model, trained):
-    """What a checkpoint needs besides the trained parameters: the state dict's names in
-    order, the tensors the engine does not shard (buffers, frozen parameters), and second
-    names of trained parameters (tied weights). trained: id(parameter) -> name."""
-    keys, tensors, aliases = [], [], []
-    for key, value in model.state_dict(keep_vars=True).items():
-        keys.append(key)
-        name = trained.get(id(value))
-        if name is None:
-            tensors.append((key, value))
-        elif name != key:
-            aliases.append((key, name))
-    return keys, tensors, aliases
 
 
 def _cast_inputs(dtype):

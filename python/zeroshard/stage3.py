@@ -5,10 +5,11 @@ its backward, from C++ autograd hooks). Python only finds the units and forwards
 hooks; the gathering, prefetching and releasing happen in C++ (csrc/zeroshard/stage3/unit_scheduler.*).
 """
 
+import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-import torch
+from zeroshard import _C
 
 
 def find_units(model, class_names=()):
@@ -35,23 +36,10 @@ def find_units(model, class_names=()):
 
 
 def unit_specs(model, units):
-    """One spec per unit plus the root: a parameter used by exactly one unit belongs to it;
-    the rest (including parameters shared between units, e.g. tied weights) to the root."""
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-    owners = {}
-    for i, (_, module) in enumerate(units):
-        for p in module.parameters():
-            owners.setdefault(id(p), set()).add(i)
-    specs = [{"name": uname, "params": [], "root": False} for uname, _ in units]
-    root = {"name": "<root>", "params": [], "root": True}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        owner = owners.get(id(p), set())
-        (specs[next(iter(owner))] if len(owner) == 1 else root)["params"].append(name)
-    return specs + [root]
+    """One spec per unit plus the root (the rule is in C++, stage3/unit_builder.h: a parameter of
+    exactly one unit belongs to it; the rest, e.g. tied weights shared by units, to the root)."""
+    return _C._assign_units(list(model.named_parameters()), [name for name, _ in units],
+                            [list(module.parameters()) for _, module in units])
 
 
 def _tensors(output):

@@ -1,8 +1,4 @@
-// Engine checkpoints: every rank writes its own shards of the fp32 master weights and AdamW
-// state; rank 0 adds the manifest and publishes (checkpoint_dir.h). Loading maps each of this
-// rank's flat ranges back to parameters by name, so the saving world size and stage do not
-// matter (checkpoint_reader.h).
-#include "zeroshard/engine.h"
+#include "zeroshard/checkpoint/engine_checkpoint.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/ArrayRef.h>
@@ -12,12 +8,15 @@
 #include "zeroshard/checkpoint/directory.h"
 #include "zeroshard/checkpoint/manifest.h"
 #include "zeroshard/checkpoint/reader.h"
-#include "zeroshard/comm/gather_values.h"
 #include "zeroshard/checkpoint/safetensors.h"
+#include "zeroshard/comm/agreement.h"
+#include "zeroshard/comm/gather_values.h"
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <memory>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -32,12 +31,154 @@ at::Tensor kindOf(const ShardedAdamW::ShardState& state, size_t kind) {
   return kind == 0 ? state.master : kind == 1 ? state.expAvg : state.expAvgSq;
 }
 
+c10::Device deviceOf(const CheckpointedState& s) {
+  return s.buckets.front().flatParams().device();
+}
+
+// The range of a bucket's flat buffer this rank holds master weights and AdamW state for.
+ShardRange heldRange(const CheckpointedState& s, size_t bucket) {
+  const auto& layout = s.buckets[bucket].layout();
+  return s.plan.optimizerSharded() ? layout.shardRange(s.comm.rank()) : ShardRange{0, layout.paddedNumel()};
+}
+
+// This rank's shard of one state tensor of a bucket, on CPU (zeros where no parameter lies).
+// Stage 0 holds everything and saves its shard only, so that ranks write in parallel.
+at::Tensor savedShard(const CheckpointedState& s, size_t bucket, size_t kind) {
+  const ShardRange shard = s.buckets[bucket].layout().shardRange(s.comm.rank());
+  const ShardRange held = heldRange(s, bucket);
+  at::Tensor out = at::zeros({shard.numel()}, at::TensorOptions().dtype(at::kFloat));
+  for (const auto& slot : s.slots[bucket]) {
+    const int64_t begin = std::max(held.begin + slot.offset, shard.begin);
+    const int64_t end = std::min(held.begin + slot.offset + slot.numel, shard.end);
+    if (begin >= end) continue;
+    const at::Tensor state = kindOf(s.optimizer.shardState(slot.group, slot.index), kind);
+    out.narrow(0, begin - shard.begin, end - begin)
+        .copy_(state.narrow(0, begin - held.begin - slot.offset, end - begin));
+  }
+  return out;
+}
+
+FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir) {
+  const int rank = s.comm.rank();
+  const std::string name = CheckpointManifest::rankFileName(rank);
+  std::vector<TensorEntry> entries;
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    for (const char* kind : kStateKinds) {
+      entries.push_back({CheckpointManifest::stateTensorName(static_cast<int>(b), kind), at::kFloat,
+                         {s.buckets[b].layout().shardNumel()}});
+    }
+  }
+  SafetensorsWriter writer((fs::path(dir) / name).string(), std::move(entries),
+                           {{"format", "pt"}, {"zeroshard_rank", std::to_string(rank)}});
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    for (size_t kind = 0; kind < kNumKinds; ++kind) writer.write(savedShard(s, b, kind));
+  }
+  return writer.finish(name);
+}
+
+CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag, int64_t boundaries,
+                              const std::vector<std::string>& digestTexts) {
+  CheckpointManifest m;
+  m.tag = tag;
+  m.worldSize = s.comm.worldSize();
+  m.stage = static_cast<int>(s.plan.stage());
+  m.computeDtype = s.computeDtype;
+  m.globalSteps = s.optimizer.stepCount();
+  m.boundaries = boundaries;
+  m.skippedSteps = s.skippedSteps;
+  if (s.scaler) m.lossScaler = s.scaler->state();
+  m.configJson = s.config.toJsonString();
+  for (int g = 0; g < s.optimizer.numGroups(); ++g) m.groups.push_back(s.optimizer.hyper(g));
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    const auto& layout = s.buckets[b].layout();
+    m.buffers.push_back(SavedBuffer{layout.numel(), layout.shardNumel()});
+    for (size_t i = 0; i < layout.params().size(); ++i) {
+      const auto& p = layout.params()[i];
+      m.params.push_back(SavedParam{p.name, p.shape, s.buckets[b].paramGroupOf(i), static_cast<int>(b), p.offset});
+    }
+  }
+  m.aliases = s.moduleState.aliases;
+  for (const auto& [name, t] : s.moduleState.tensors) m.moduleState.push_back({name, t.sizes().vec(), t.scalar_type()});
+  m.stateDictKeys = s.moduleState.keys;
+  for (const auto& text : digestTexts) {
+    for (auto& d : digestsFromJson(text)) m.files.push_back(std::move(d));
+  }
+  m.createdUnixNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+  return m;
+}
+
+void checkCheckpointMatches(const CheckpointedState& s, const CheckpointManifest& m, bool sameGroups) {
+  const std::string where = "checkpoint '" + m.tag + "'";
+  std::unordered_map<std::string, const SavedParam*> saved;
+  for (const auto& p : m.params) saved[p.name] = &p;
+  size_t matched = 0;
+  for (const auto& b : s.buckets) {
+    for (size_t i = 0; i < b.layout().params().size(); ++i) {
+      const auto& p = b.layout().params()[i];
+      auto it = saved.find(p.name);
+      TORCH_CHECK(it != saved.end(), "zeroshard: parameter '", p.name, "' of this model is not in ", where,
+                  " (it holds ", m.params.size(), " parameters); the checkpoint is from another model");
+      TORCH_CHECK(it->second->shape == p.shape, "zeroshard: parameter '", p.name, "' has shape ",
+                  c10::IntArrayRef(p.shape), " here but ", c10::IntArrayRef(it->second->shape), " in ", where);
+      TORCH_CHECK(!sameGroups || it->second->group == b.paramGroupOf(i), "zeroshard: parameter '", p.name,
+                  "' is in param group ",
+                  b.paramGroupOf(i), " here but in group ", it->second->group, " in ", where,
+                  "; build the param groups as the saving run did");
+      ++matched;
+    }
+  }
+  if (matched != m.params.size()) {
+    std::unordered_set<std::string> here;
+    for (const auto& b : s.buckets) {
+      for (const auto& p : b.layout().params()) here.insert(p.name);
+    }
+    for (const auto& p : m.params) {
+      TORCH_CHECK(here.count(p.name), "zeroshard: ", where, " holds parameter '", p.name,
+                  "', which this model does not train; the checkpoint is from another model");
+    }
+  }
+  TORCH_CHECK(!sameGroups || static_cast<int>(m.groups.size()) == s.optimizer.numGroups(), "zeroshard: ", where,
+              " has ", m.groups.size(), " param groups, this engine ", s.optimizer.numGroups(),
+              " (to take only the weights, load without optimizer states)");
+  std::unordered_map<std::string, const SavedTensor*> savedState;
+  for (const auto& t : m.moduleState) savedState[t.name] = &t;
+  for (const auto& [name, t] : s.moduleState.tensors) {
+    auto it = savedState.find(name);
+    TORCH_CHECK(it != savedState.end(), "zeroshard: module state '", name, "' (a buffer or frozen parameter) is not in ",
+                where);
+    TORCH_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == t.scalar_type(),
+                "zeroshard: module state '", name, "' is ", dtypeName(t.scalar_type()), " ",
+                t.sizes(), " here but ", dtypeName(it->second->dtype), " ",
+                c10::IntArrayRef(it->second->shape), " in ", where);
+  }
+}
 
 } // namespace
 
-void Engine::setModuleState(ModuleState state) {
+ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
+                          const std::vector<Bucket>& buckets) {
+  std::unordered_map<const void*, const std::string*> trained;
+  for (const auto& b : buckets) {
+    for (size_t i = 0; i < b.size(); ++i) trained.emplace(b.params()[i].unsafeGetTensorImpl(), &b.layout().params()[i].name);
+  }
+  ModuleState state;
+  for (const auto& [key, tensor] : stateDict) {
+    state.keys.push_back(key);
+    auto it = tensor.defined() ? trained.find(tensor.unsafeGetTensorImpl()) : trained.end();
+    if (it == trained.end()) {
+      state.tensors.emplace_back(key, tensor);
+    } else if (*it->second != key) {
+      state.aliases.emplace_back(key, *it->second);
+    }
+  }
+  return state;
+}
+
+void checkModuleState(const ModuleState& state, const std::vector<Bucket>& buckets) {
   std::unordered_set<std::string> trained;
-  for (const auto& b : buckets_) {
+  for (const auto& b : buckets) {
     for (const auto& p : b.layout().params()) trained.insert(p.name);
   }
   std::unordered_set<std::string> known(trained);
@@ -55,232 +196,76 @@ void Engine::setModuleState(ModuleState state) {
     TORCH_CHECK(known.count(key), "zeroshard: state-dict name '", key,
                 "' is neither a trained parameter, an alias nor a module-state tensor");
   }
-  moduleState_ = std::move(state);
 }
 
-ShardRange Engine::heldRange(size_t bucket) const {
-  const auto& layout = buckets_[bucket].layout();
-  return plan_.optimizerSharded() ? layout.shardRange(rank()) : ShardRange{0, layout.paddedNumel()};
-}
-
-// This rank's shard of one state tensor of a bucket, on CPU (zeros where no parameter lies).
-// Stage 0 holds everything and saves its shard only, so that ranks write in parallel.
-at::Tensor Engine::savedShard(size_t bucket, size_t kind) const {
-  const ShardRange shard = buckets_[bucket].layout().shardRange(rank());
-  const ShardRange held = heldRange(bucket);
-  at::Tensor out = at::zeros({shard.numel()}, at::TensorOptions().dtype(at::kFloat));
-  for (const auto& slot : slots_[bucket]) {
-    const int64_t begin = std::max(held.begin + slot.offset, shard.begin);
-    const int64_t end = std::min(held.begin + slot.offset + slot.numel, shard.end);
-    if (begin >= end) continue;
-    const at::Tensor state = kindOf(optimizer_.shardState(slot.group, slot.index), kind);
-    out.narrow(0, begin - shard.begin, end - begin)
-        .copy_(state.narrow(0, begin - held.begin - slot.offset, end - begin));
-  }
-  return out;
-}
-
-FileDigest Engine::writeRankFile(const std::string& dir) const {
-  const std::string name = CheckpointManifest::rankFileName(rank());
-  std::vector<TensorEntry> entries;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    for (const char* kind : kStateKinds) {
-      entries.push_back({CheckpointManifest::stateTensorName(static_cast<int>(b), kind), at::kFloat,
-                         {buckets_[b].layout().shardNumel()}});
-    }
-  }
-  SafetensorsWriter writer((fs::path(dir) / name).string(), std::move(entries),
-                           {{"format", "pt"}, {"zeroshard_rank", std::to_string(rank())}});
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    for (size_t kind = 0; kind < kNumKinds; ++kind) writer.write(savedShard(b, kind));
-  }
-  return writer.finish(name);
-}
-
-// Note [checkpoint agreement]: each phase of a save or load ends with every rank learning
-// whether every other rank succeeded (one all-reduce of per-rank failure flags). A rank's
-// error then fails the call on all ranks, instead of one rank raising while the others carry
-// on to a collective that never completes; a dead rank surfaces as this all-reduce's error.
-// `outcome` says what a failure leaves behind ("nothing was published").
-void Engine::agreeAcrossRanks(const std::string& what, const std::string& outcome,
-                              const std::function<void()>& work) {
-  std::string error;
-  try {
-    work();
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-    if (error.empty()) error = "unknown error";
-  } catch (const std::exception& e) {
-    error = e.what();
-    if (error.empty()) error = "unknown error";
-  }
-  const auto device = buckets_.front().flatParams().device();
-  auto failed = at::zeros({worldSize()}, at::TensorOptions().dtype(at::kFloat).device(device));
-  if (!error.empty()) failed[rank()].fill_(1);
-  try {
-    comm_.allReduce(failed).wait();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed: another rank stopped answering (",
-                e.what_without_backtrace(), ")", error.empty() ? "" : "; this rank's own error: " + error, "; ",
-                outcome);
-  }
-  const auto flags = failed.to(at::kCPU);
-  std::vector<int> ranks;
-  for (int r = 0; r < worldSize(); ++r) {
-    if (flags[r].item<float>() > 0) ranks.push_back(r);
-  }
-  if (ranks.empty()) return;
-  TORCH_CHECK(error.empty(), "zeroshard checkpoint: ", what, " failed on rank ", rank(), ": ", error, "; ", outcome);
-  std::string list;
-  for (int r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
-  TORCH_CHECK(false, "zeroshard checkpoint: ", what, " failed on rank(s) ", list, " (their errors say why); ",
-              outcome);
-}
-
-std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tagIn, const std::string& clientState,
-                                   const std::string& rankError) {
-  const int64_t accumulation = batchSizes_.accumulationSteps;
-  TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
-              "zeroshard: save_checkpoint() must be called between optimizer steps (after engine.step() ended an "
-              "accumulation window); gradients of a partial window are not saved");
-  const UncountedCollectives uncounted(comm_);
-  const int64_t boundaries = microSteps_ / accumulation;
+std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const std::string& tagIn,
+                           const std::string& clientState, const std::string& rankError) {
+  const UncountedCollectives uncounted(s.comm);
+  const int rank = s.comm.rank();
+  const int64_t boundaries = s.microSteps / s.accumulationSteps;
   const std::string tag = tagIn.empty() ? defaultTag(boundaries) : tagIn;
   checkTag(tag);
   const std::string staging = stagingPath(dir, tag);
-  const std::string what = "saving '" + checkpointPath(dir, tag) + "'";
+  const std::string what = "checkpoint: saving '" + checkpointPath(dir, tag) + "'";
   const std::string outcome = "nothing was published; the previous checkpoints and 'latest' are as they were";
+  const auto device = deviceOf(s);
 
-  agreeAcrossRanks(what, outcome, [&] {
+  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
     TORCH_CHECK(rankError.empty(), rankError);
-    if (rank() == 0) prepareStaging(dir, tag);
+    if (rank == 0) prepareStaging(dir, tag);
   });
   std::vector<FileDigest> digests;
-  agreeAcrossRanks(what, outcome, [&] {
-    digests.push_back(writeRankFile(staging));
-    if (rank() != 0) return;
-    if (!moduleState_.tensors.empty()) {
+  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+    digests.push_back(writeRankFile(s, staging));
+    if (rank != 0) return;
+    const auto& tensors = s.moduleState.tensors;
+    if (!tensors.empty()) {
       std::vector<TensorEntry> entries;
-      for (const auto& [name, t] : moduleState_.tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
+      for (const auto& [name, t] : tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
       SafetensorsWriter writer((fs::path(staging) / kModuleStateFile).string(), std::move(entries), {{"format", "pt"}});
-      for (const auto& [name, t] : moduleState_.tensors) writer.write(t.detach());
+      for (const auto& [name, t] : tensors) writer.write(t.detach());
       digests.push_back(writer.finish(kModuleStateFile));
     }
     if (!clientState.empty()) {
       digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
     }
   });
-  const auto texts = allGatherText(comm_, digestsToJson(digests), buckets_.front().flatParams().device());
-  agreeAcrossRanks(what, outcome, [&] {
-    if (rank() != 0) return;
-    CheckpointManifest m;
-    m.tag = tag;
-    m.worldSize = worldSize();
-    m.stage = static_cast<int>(plan_.stage());
-    m.computeDtype = computeDtype_;
-    m.globalSteps = optimizer_.stepCount();
-    m.boundaries = boundaries;
-    m.skippedSteps = skippedSteps_;
-    if (scaler_) m.lossScaler = scaler_->state();
-    m.configJson = config_.toJsonString();
-    for (int g = 0; g < optimizer_.numGroups(); ++g) m.groups.push_back(optimizer_.hyper(g));
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      const auto& layout = buckets_[b].layout();
-      m.buffers.push_back(SavedBuffer{layout.numel(), layout.shardNumel()});
-      for (size_t i = 0; i < layout.params().size(); ++i) {
-        const auto& p = layout.params()[i];
-        m.params.push_back(SavedParam{p.name, p.shape, buckets_[b].paramGroupOf(i), static_cast<int>(b), p.offset});
-      }
-    }
-    m.aliases = moduleState_.aliases;
-    for (const auto& [name, t] : moduleState_.tensors) m.moduleState.push_back({name, t.sizes().vec(), t.scalar_type()});
-    m.stateDictKeys = moduleState_.keys;
-    for (const auto& text : texts) {
-      for (auto& d : digestsFromJson(text)) m.files.push_back(std::move(d));
-    }
-    m.createdUnixNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
-    writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile, m.toJsonText());
+  const auto texts = allGatherText(s.comm, digestsToJson(digests), device);
+  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+    if (rank != 0) return;
+    writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile,
+                     manifestOf(s, tag, boundaries, texts).toJsonText());
     publishCheckpoint(dir, tag);
+    const int64_t keep = s.config.extras.checkpointKeepLast;
     try {
-      pruneCheckpoints(dir, config_.extras.checkpointKeepLast, tag);
+      pruneCheckpoints(dir, keep, tag);
     } catch (const std::exception& e) {
       // The new checkpoint is complete and `latest` names it: a stale one left over is no failure.
       TORCH_WARN("zeroshard checkpoint: saved '", checkpointPath(dir, tag), "' but removing older checkpoints (",
-                 "zeroshard.checkpoint.keep_last = ", config_.extras.checkpointKeepLast, ") failed: ", e.what());
+                 "zeroshard.checkpoint.keep_last = ", keep, ") failed: ", e.what());
     }
   });
   return checkpointPath(dir, tag);
 }
 
-void Engine::checkCheckpointMatches(const CheckpointManifest& m, bool sameGroups) const {
-  const std::string where = "checkpoint '" + m.tag + "'";
-  std::unordered_map<std::string, const SavedParam*> saved;
-  for (const auto& p : m.params) saved[p.name] = &p;
-  size_t matched = 0;
-  for (const auto& b : buckets_) {
-    for (size_t i = 0; i < b.layout().params().size(); ++i) {
-      const auto& p = b.layout().params()[i];
-      auto it = saved.find(p.name);
-      TORCH_CHECK(it != saved.end(), "zeroshard: parameter '", p.name, "' of this model is not in ", where,
-                  " (it holds ", m.params.size(), " parameters); the checkpoint is from another model");
-      TORCH_CHECK(it->second->shape == p.shape, "zeroshard: parameter '", p.name, "' has shape ",
-                  c10::IntArrayRef(p.shape), " here but ", c10::IntArrayRef(it->second->shape), " in ", where);
-      TORCH_CHECK(!sameGroups || it->second->group == b.paramGroupOf(i), "zeroshard: parameter '", p.name,
-                  "' is in param group ",
-                  b.paramGroupOf(i), " here but in group ", it->second->group, " in ", where,
-                  "; build the param groups as the saving run did");
-      ++matched;
-    }
-  }
-  if (matched != m.params.size()) {
-    std::unordered_set<std::string> here;
-    for (const auto& b : buckets_) {
-      for (const auto& p : b.layout().params()) here.insert(p.name);
-    }
-    for (const auto& p : m.params) {
-      TORCH_CHECK(here.count(p.name), "zeroshard: ", where, " holds parameter '", p.name,
-                  "', which this model does not train; the checkpoint is from another model");
-    }
-  }
-  TORCH_CHECK(!sameGroups || static_cast<int>(m.groups.size()) == optimizer_.numGroups(), "zeroshard: ", where,
-              " has ", m.groups.size(), " param groups, this engine ", optimizer_.numGroups(),
-              " (to take only the weights, load without optimizer states)");
-  std::unordered_map<std::string, const SavedTensor*> savedState;
-  for (const auto& t : m.moduleState) savedState[t.name] = &t;
-  for (const auto& [name, t] : moduleState_.tensors) {
-    auto it = savedState.find(name);
-    TORCH_CHECK(it != savedState.end(), "zeroshard: module state '", name, "' (a buffer or frozen parameter) is not in ",
-                where);
-    TORCH_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == t.scalar_type(),
-                "zeroshard: module state '", name, "' is ", dtypeName(t.scalar_type()), " ",
-                t.sizes(), " here but ", dtypeName(it->second->dtype), " ",
-                c10::IntArrayRef(it->second->shape), " in ", where);
-  }
-}
-
-LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
-  const int64_t accumulation = batchSizes_.accumulationSteps;
-  TORCH_CHECK(!backwardSinceStep_ && microSteps_ % accumulation == 0,
-              "zeroshard: load_checkpoint() must be called between optimizer steps, not inside an accumulation "
-              "window");
-  const UncountedCollectives uncounted(comm_);
+LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, const std::string& tag,
+                                const LoadOptions& options) {
+  const UncountedCollectives uncounted(s.comm);
   std::unique_ptr<CheckpointReader> reader;
   // Everything is read (and checked) into CPU tensors before anything changes: an error leaves
-  // this engine exactly as it was, on every rank (Note [checkpoint agreement]).
-  std::vector<std::vector<at::Tensor>> staged(buckets_.size());
+  // this engine exactly as it was, on every rank (Note [agreement]).
+  std::vector<std::vector<at::Tensor>> staged(s.buckets.size());
   std::vector<at::Tensor> moduleTensors;
   std::string clientState;
-  agreeAcrossRanks("loading from '" + dir + "'", "no rank changed anything", [&] {
+  agreeAcrossRanks(s.comm, deviceOf(s), "checkpoint: loading from '" + dir + "'", "no rank changed anything", [&] {
     TORCH_CHECK(options.rankError.empty(), options.rankError);
     reader = std::make_unique<CheckpointReader>(dir, tag.empty() ? std::nullopt : std::optional<std::string>(tag));
-    checkCheckpointMatches(reader->manifest(), options.optimizerStates);
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      const ShardRange held = heldRange(b);
+    checkCheckpointMatches(s, reader->manifest(), options.optimizerStates);
+    for (size_t b = 0; b < s.buckets.size(); ++b) {
+      const ShardRange held = heldRange(s, b);
       for (size_t kind = 0; kind < (options.optimizerStates ? kNumKinds : 1); ++kind) {
         at::Tensor values = at::zeros({held.numel()}, at::TensorOptions().dtype(at::kFloat));
-        for (const auto& p : buckets_[b].layout().params()) {
+        for (const auto& p : s.buckets[b].layout().params()) {
           const int64_t begin = std::max(p.offset, held.begin);
           const int64_t end = std::min(p.offset + p.numel, held.end);
           if (begin >= end) continue;
@@ -290,36 +275,36 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
         staged[b].push_back(values);
       }
     }
-    for (const auto& [name, t] : moduleState_.tensors) moduleTensors.push_back(reader->readModuleState(name));
+    for (const auto& [name, t] : s.moduleState.tensors) moduleTensors.push_back(reader->readModuleState(name));
     clientState = reader->readClientState();
+    if (options.checkClientState) {
+      const std::string error = options.checkClientState(clientState);
+      TORCH_CHECK(error.empty(), error);
+    }
   });
 
   const CheckpointManifest& m = reader->manifest();
   {
     at::NoGradGuard noGrad;
-    if (units_) units_->reshardAll();
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      for (const auto& slot : slots_[b]) {
-        const auto state = optimizer_.shardState(slot.group, slot.index);
+    for (size_t b = 0; b < s.buckets.size(); ++b) {
+      for (const auto& slot : s.slots[b]) {
+        const auto state = s.optimizer.shardState(slot.group, slot.index);
         for (size_t kind = 0; kind < staged[b].size(); ++kind) {
           kindOf(state, kind).copy_(staged[b][kind].narrow(0, slot.offset, slot.numel));
         }
       }
     }
-    for (size_t i = 0; i < moduleTensors.size(); ++i) moduleState_.tensors[i].second.detach().copy_(moduleTensors[i]);
+    for (size_t i = 0; i < moduleTensors.size(); ++i) s.moduleState.tensors[i].second.detach().copy_(moduleTensors[i]);
   }
   if (options.optimizerStates) {
-    optimizer_.setStepCount(m.globalSteps);
+    s.optimizer.setStepCount(m.globalSteps);
     // As torch's optimizer.load_state_dict: the saved hyper-parameters (a scheduler's lr
     // included) win over the config's (docs/checkpoints.md).
-    for (int g = 0; g < optimizer_.numGroups(); ++g) optimizer_.hyper(g) = m.groups[g];
-    if (scaler_ && m.lossScaler) scaler_->restore(*m.lossScaler);
-    skippedSteps_ = m.skippedSteps;
-    microSteps_ = m.boundaries * accumulation;
+    for (int g = 0; g < s.optimizer.numGroups(); ++g) s.optimizer.hyper(g) = m.groups[g];
+    if (s.scaler && m.lossScaler) s.scaler->restore(*m.lossScaler);
+    s.skippedSteps = m.skippedSteps;
+    s.microSteps = m.boundaries * s.accumulationSteps;
   }
-  for (auto& b : buckets_) b.pushMasterToParams();
-  gatherParams();
-  zeroGrads();
   return {reader->path(), m.tag, clientState};
 }
 

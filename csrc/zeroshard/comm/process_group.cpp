@@ -63,6 +63,15 @@ LaunchEnv readLaunchEnv() {
   return env;
 }
 
+DeviceChoice chooseDevice(int localRank, int localWorldSize, int visibleGpus) {
+  if (visibleGpus <= 0) return {};
+  if (localWorldSize <= visibleGpus) return {true, localRank, ""};
+  return {false, -1,
+          "zeroshard: " + std::to_string(localWorldSize) + " ranks on this machine but " + std::to_string(visibleGpus) +
+              " visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
+              "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE."};
+}
+
 c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::milliseconds timeout) {
   const LaunchEnv env = readLaunchEnv();
 
@@ -91,22 +100,18 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
 #ifdef ZEROSHARD_WITH_NCCL
-  // One GPU per local rank, picked by LOCAL_RANK. With fewer GPUs than local ranks every rank
-  // stays on Gloo and CPU tensors (the decision must be the same on all of them), as
-  // zeroshard.init_distributed does in Python.
-  if (at::hasCUDA() && env.localWorldSize <= static_cast<int>(c10::cuda::device_count())) {
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.localRank));
+  const DeviceChoice choice =
+      chooseDevice(env.localRank, env.localWorldSize, at::hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0);
+  if (choice.useGpu) {
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(choice.gpu));
     auto ncclOptions = c10d::ProcessGroupNCCL::Options::create();
     ncclOptions->timeout = timeout;
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
         c10::make_intrusive<c10d::PrefixStore>("nccl", store), env.rank, env.worldSize, ncclOptions);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  } else if (at::hasCUDA()) {
-    TORCH_WARN_ONCE("zeroshard: ", env.localWorldSize, " ranks on this machine but ",
-                    static_cast<int>(c10::cuda::device_count()),
-                    " visible GPU(s): every rank uses Gloo and CPU tensors. Start at most one rank per GPU "
-                    "(torchrun --nproc-per-node), or set LOCAL_RANK and LOCAL_WORLD_SIZE.");
+  } else if (!choice.warning.empty()) {
+    TORCH_WARN_ONCE(choice.warning);
   }
 #else
   if (at::hasCUDA()) {

@@ -26,6 +26,17 @@ struct LaunchEnv {
 // or malformed variable is an error that names it and says how to launch instead.
 LaunchEnv readLaunchEnv();
 
+// The one-GPU-per-local-rank rule, for C++ programs (initProcessGroupFromEnv) and Python ones
+// (zeroshard.init_distributed) alike: with at least as many visible GPUs as ranks on this
+// machine, each rank uses GPU `localRank` and NCCL; otherwise every rank uses CPU tensors and
+// Gloo (all ranks must choose alike), and `warning` says why when there are GPUs.
+struct DeviceChoice {
+  bool useGpu = false;
+  int gpu = -1;
+  std::string warning;
+};
+DeviceChoice chooseDevice(int localRank, int localWorldSize, int visibleGpus);
+
 // Rendezvous through a TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 serves it), then Gloo for
 // CPU tensors and, when torch has CUDA and zeroshard was built with NCCL, NCCL for CUDA
 // tensors on device LOCAL_RANK. Blocks until every rank has joined or `timeout` passes.

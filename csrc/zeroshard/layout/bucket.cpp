@@ -4,6 +4,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <utility>
+
 namespace zeroshard {
 namespace {
 
@@ -45,7 +47,7 @@ Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, s
     flatParams_ = flat;
   } else {
     flatParams_ = flat.to(computeDtype);
-    master_ = flat;
+    floatValues_ = flat;
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& place = layout_.params()[i];
@@ -55,22 +57,8 @@ Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, s
   }
 }
 
-void Bucket::keepMaster(bool sharded) {
-  shardedMaster_ = sharded;
-  if (master_.defined() && sharded) {
-    const auto range = layout_.shardRange(rank_);
-    master_ = master_.narrow(0, range.begin, range.numel()).clone();
-  }
-}
-
-at::Tensor Bucket::master() const {
-  if (master_.defined()) return master_;
-  return shardedMaster_ ? paramShard() : flatParams_;
-}
-
-void Bucket::pushMasterToParams() {
-  if (!master_.defined()) return;
-  (shardedMaster_ ? paramShard() : flatParams_).copy_(master_);
+at::Tensor Bucket::takeFloatValues() {
+  return std::exchange(floatValues_, at::Tensor());
 }
 
 at::Tensor Bucket::paramShard() const {

@@ -20,7 +20,7 @@ class Bucket {
   // 0-2; a stage-3 unit may mix groups).
   // The parameters must be float32: they seed the fp32 master weights. With a 16-bit
   // `computeDtype` the parameters become views of a flat buffer of that dtype, and the fp32
-  // values are kept apart as the master copy (never rounded through the 16-bit copy).
+  // values are kept apart until takeFloatValues() (never rounded through the 16-bit copy).
   Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
          int rank, int worldSize, at::ScalarType computeDtype = at::kFloat);
 
@@ -42,13 +42,9 @@ class Bucket {
   void releaseFlatParams();
   void materializeFlatParams();
 
-  // The fp32 weights the optimizer updates: the full buffer (stage 0) or this rank's slice. In
-  // fp32 training they are the parameters' own storage; otherwise a separate copy that
-  // pushMasterToParams() casts back into the parameters after each step.
-  void keepMaster(bool sharded);
-  at::Tensor master() const;
-  void pushMasterToParams();
-  int64_t separateMasterBytes() const { return master_.defined() ? static_cast<int64_t>(master_.nbytes()) : 0; }
+  // With 16-bit parameters, the model's original fp32 values (the first time; undefined after,
+  // and when the parameters are fp32): they seed the master weights (optim/master_weights.h).
+  at::Tensor takeFloatValues();
 
  private:
   FlatLayout layout_;
@@ -57,8 +53,7 @@ class Bucket {
   std::vector<at::Tensor> params_;
   at::Tensor flatParams_;
   at::Tensor shard_;
-  at::Tensor master_;  // fp32, only when the parameters are 16-bit
-  bool shardedMaster_ = false;
+  at::Tensor floatValues_;  // fp32, only when the parameters are 16-bit, until taken
 };
 
 } // namespace zeroshard

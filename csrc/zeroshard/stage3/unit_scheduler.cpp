@@ -104,7 +104,8 @@ void UnitScheduler::orderAllocationAfterUse(size_t u) {
   allocStream.reset();
 }
 
-void UnitScheduler::preForward(size_t u) {
+void UnitScheduler::preForward(UnitIndex unit) {
+  const size_t u = unit.value;
   const bool training = c10::GradMode::is_enabled();
   if (recording_ && training) {
     order_.push_back(u);
@@ -122,18 +123,20 @@ void UnitScheduler::preForward(size_t u) {
   }
 }
 
-void UnitScheduler::postForward(size_t u, const std::vector<at::Tensor>& outputs) {
+void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs) {
+  const size_t u = unit.value;
   if (c10::GradMode::is_enabled()) {
     for (const auto& out : outputs) {
       if (out.defined() && out.requires_grad()) {
-        out.register_hook([this, u](const at::TensorBase&) { preBackward(u); });
+        out.register_hook([this, u](const at::TensorBase&) { preBackward(UnitIndex{u}); });
       }
     }
   }
   if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) reshard(u);
 }
 
-void UnitScheduler::preBackward(size_t u) {
+void UnitScheduler::preBackward(UnitIndex unit) {
+  const size_t u = unit.value;
   unshard(u);
   if (recording_) return;
   // Walk the recorded order backwards: the unit before this one runs its backward next.
@@ -145,8 +148,8 @@ void UnitScheduler::preBackward(size_t u) {
   }
 }
 
-void UnitScheduler::afterGradReduce(size_t u) {
-  reshard(u);
+void UnitScheduler::afterGradReduce(UnitIndex unit) {
+  reshard(unit.value);
 }
 
 void UnitScheduler::finishBackward() {

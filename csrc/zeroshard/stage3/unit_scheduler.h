@@ -21,6 +21,12 @@
 
 namespace zeroshard {
 
+// A unit's index. Each unit is one bucket (one flat buffer), so the unit's index is also its
+// bucket's, and the gradient reducer reports buckets; the type says a unit is meant.
+struct UnitIndex {
+  size_t value;
+};
+
 enum class UnitState { kSharded, kGathering, kGathered };
 
 struct UnitPolicy {
@@ -34,14 +40,14 @@ class UnitScheduler {
                int64_t prefetchElements, int64_t maxLiveElements);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
-  void preForward(size_t unit);
+  void preForward(UnitIndex unit);
   // Registers a pre-backward hook on every output that requires grad, then frees the unit's
   // parameters if its policy says so.
-  void postForward(size_t unit, const std::vector<at::Tensor>& outputs);
+  void postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs);
   // From autograd: the gradient of one of the unit's outputs is about to flow into it.
-  void preBackward(size_t unit);
+  void preBackward(UnitIndex unit);
   // The unit's gradients were handed to the reducer: its gathered parameters can go.
-  void afterGradReduce(size_t unit);
+  void afterGradReduce(UnitIndex unit);
   // End of a backward: releases what is still gathered, checks the order once.
   void finishBackward();
   // After the optimizer step: kept-gathered units all-gather their updated shards.
@@ -51,7 +57,7 @@ class UnitScheduler {
   void gatherAll();
   void reshardAll();
 
-  bool isReleasable(size_t unit) const { return !policies_.at(unit).keepGathered; }
+  bool isReleasable(UnitIndex unit) const { return !policies_.at(unit.value).keepGathered; }
   int64_t peakGatheredBytes() const { return peakBytes_; }
   void resetPeak() { peakBytes_ = liveBytes_; }
 

@@ -1,0 +1,92 @@
+// The checkpoint protocol of an engine: every rank writes its own shards of the fp32 master
+// weights and AdamW state, rank 0 adds the manifest and publishes (directory.h); a load maps
+// each of this rank's flat ranges back to parameters by name, so the saving world size and
+// stage do not matter (reader.h). The format is in manifest.h; docs/checkpoints.md for users.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/comm/communicator.h"
+#include "zeroshard/config/config.h"
+#include "zeroshard/layout/bucket.h"
+#include "zeroshard/optim/bucket_slots.h"
+#include "zeroshard/optim/loss_scaler.h"
+#include "zeroshard/optim/optimizer.h"
+#include "zeroshard/plan/sharding_plan.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace zeroshard {
+
+// Module state a checkpoint must hold that the engine does not shard: buffers and frozen
+// parameters (whole on every rank), and state-dict names under which a trained parameter
+// appears a second time (tied weights). With it, a checkpoint converts to a complete state
+// dict in the model's own order.
+struct ModuleState {
+  std::vector<std::string> keys;  // every state-dict name, in the model's order
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
+};
+
+struct LoadOptions {
+  // false: only the weights (fine-tuning from a checkpoint): AdamW state, step count,
+  // hyper-parameters, loss scale and counters stay as this engine has them, and the param
+  // groups may be split differently from the saving run's. DeepSpeed's load_optimizer_states.
+  bool optimizerStates = true;
+  // Not empty: an error this rank met before the call (e.g. reading its client state); the
+  // load then fails on every rank, naming it, and changes nothing.
+  std::string rankError;
+  // Given the saved client state once it is read, before anything changes; a non-empty result
+  // is this rank's error (the load then fails on every rank and changes nothing). The Python
+  // layer unpickles the client state here, so that it is read once.
+  std::function<std::string(const std::string& clientState)> checkClientState;
+};
+
+struct LoadedCheckpoint {
+  std::string path;         // the checkpoint directory read
+  std::string tag;
+  std::string clientState;  // what save_checkpoint was given (empty if nothing)
+};
+
+// The module state of a model from its state dict (every name, in order): a trained parameter
+// under another name than its own is an alias of it; what is not trained (buffers, frozen
+// parameters) is saved whole. The one rule for Python (state_dict order) and C++ models.
+ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
+                          const std::vector<Bucket>& buckets);
+
+// Checks the module state against the trained parameters (names known, none twice).
+void checkModuleState(const ModuleState& state, const std::vector<Bucket>& buckets);
+
+// What a checkpoint reads and writes of an engine, lent for one save or load. The engine owns
+// all of it.
+struct CheckpointedState {
+  const Config& config;
+  const ShardingPlan& plan;
+  Communicator& comm;
+  at::ScalarType computeDtype;
+  const std::vector<Bucket>& buckets;
+  const std::vector<std::vector<OptimizerSlot>>& slots;
+  ShardedAdamW& optimizer;
+  LossScaler* scaler;  // fp16 only
+  ModuleState& moduleState;
+  int64_t accumulationSteps;
+  int64_t& microSteps;  // a multiple of accumulationSteps: checkpoints are between steps
+  int64_t& skippedSteps;
+};
+
+// Collective and blocking. Returns the published checkpoint's path; `tag` empty means
+// "global_step<N>". clientState is saved from rank 0; `rankError`, when not empty, fails the
+// save on every rank, naming it, and publishes nothing.
+std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
+                           const std::string& clientState, const std::string& rankError);
+// Collective and blocking; `tag` empty: the `latest` one. Everything is read and checked before
+// anything changes, on every rank; then the master weights, AdamW state, counters, loss scale
+// and module state are written. The caller then makes the parameters follow the masters.
+LoadedCheckpoint loadCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
+                                const LoadOptions& options);
+
+}  // namespace zeroshard

@@ -1,0 +1,33 @@
+#include "zeroshard/comm/bucket_gather.h"
+
+#include <algorithm>
+
+namespace zeroshard {
+
+void allGatherBuckets(std::vector<Bucket>& buckets, Communicator& comm, int64_t limit) {
+  // Note [all-gather buckets]: zero_optimization.allgather_bucket_size bounds the elements one
+  // all-gather delivers, as in DeepSpeed's stages 1 and 2. A bucket that fits is gathered in one
+  // call straight into its flat buffer, all such buckets at once; a larger one goes chunk by
+  // chunk, the same chunk of every rank's slice per call, each waited for before the next, so
+  // the backend's staging buffer stays within the bound.
+  const int64_t world = comm.worldSize();
+  std::vector<CommHandle> handles;
+  for (auto& b : buckets) {
+    if (b.layout().paddedNumel() <= limit) {
+      handles.push_back(comm.allGather(b.paramShard(), b.flatParams()));
+      continue;
+    }
+    const int64_t shardNumel = b.layout().shardNumel();
+    const int64_t chunk = std::max<int64_t>(1, limit / world);
+    const at::Tensor shard = b.paramShard();
+    for (int64_t begin = 0; begin < shardNumel; begin += chunk) {
+      const int64_t length = std::min(chunk, shardNumel - begin);
+      std::vector<at::Tensor> pieces;
+      for (int64_t r = 0; r < world; ++r) pieces.push_back(b.flatParams().narrow(0, r * shardNumel + begin, length));
+      comm.allGatherPieces(shard.narrow(0, begin, length), pieces).wait();
+    }
+  }
+  for (auto& h : handles) h.wait();
+}
+
+}  // namespace zeroshard

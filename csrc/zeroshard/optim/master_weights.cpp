@@ -1,0 +1,38 @@
+#include "zeroshard/optim/master_weights.h"
+
+namespace zeroshard {
+
+MasterWeights::MasterWeights(std::vector<Bucket>& buckets) {
+  for (auto& b : buckets) separate_.push_back(b.takeFloatValues());
+}
+
+at::Tensor MasterWeights::of(const Bucket& bucket, size_t index) const {
+  if (separate_[index].defined()) return separate_[index];
+  return sharded_ ? bucket.paramShard() : bucket.flatParams();
+}
+
+void MasterWeights::shard(const std::vector<Bucket>& buckets, int rank) {
+  sharded_ = true;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (!separate_[i].defined()) continue;
+    const auto range = buckets[i].layout().shardRange(rank);
+    separate_[i] = separate_[i].narrow(0, range.begin, range.numel()).clone();
+  }
+}
+
+void MasterWeights::pushToParams(const std::vector<Bucket>& buckets) const {
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (!separate_[i].defined()) continue;
+    (sharded_ ? buckets[i].paramShard() : buckets[i].flatParams()).copy_(separate_[i]);
+  }
+}
+
+int64_t MasterWeights::separateBytes() const {
+  int64_t total = 0;
+  for (const auto& m : separate_) {
+    if (m.defined()) total += static_cast<int64_t>(m.nbytes());
+  }
+  return total;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,40 @@
+// The fp32 weights the optimizer updates, one tensor per bucket: the whole flat buffer while the
+// optimizer state is replicated (stage 0), this rank's slice once it is sharded (shard()).
+//
+// In fp32 training they are the parameters' own storage (the flat buffer, or the bucket's
+// shard), so there is nothing to copy. With 16-bit parameters they are a separate fp32 copy,
+// built from the model's original values (never rounded through the 16-bit copy), and
+// pushToParams() casts them into the parameters after each step. Offload will place the
+// separate copy in host memory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "zeroshard/layout/bucket.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+class MasterWeights {
+ public:
+  // Takes each bucket's fp32 values (Bucket::takeFloatValues()).
+  explicit MasterWeights(std::vector<Bucket>& buckets);
+
+  // Bucket `index`'s master weights, whole or this rank's slice.
+  at::Tensor of(const Bucket& bucket, size_t index) const;
+  // Keeps only this rank's slice of each (stages 1-3; after the initial broadcast).
+  void shard(const std::vector<Bucket>& buckets, int rank);
+  // With 16-bit parameters: casts the masters into the parameters (or their shard).
+  void pushToParams(const std::vector<Bucket>& buckets) const;
+  // Bytes of the separate fp32 copies (0 in fp32 training).
+  int64_t separateBytes() const;
+
+ private:
+  std::vector<at::Tensor> separate_;  // per bucket; undefined where the parameters are fp32
+  bool sharded_ = false;
+};
+
+}  // namespace zeroshard

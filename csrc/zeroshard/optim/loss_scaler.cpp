@@ -23,8 +23,9 @@ void LossScaler::update(bool overflow) {
       }
       lastOverflowIteration_ = iteration_;
     } else {
-      const int64_t stable = iteration_ - lastOverflowIteration_ - 1;
-      if (stable > 0 && stable % window_ == 0) {
+      // The window-th clean step since the last overflow (or the start) doubles, as
+      // DynamicLossScaler.update_scale: (cur_iter - last_overflow_iter) % scale_window == 0.
+      if ((iteration_ - lastOverflowIteration_) % window_ == 0) {
         hysteresisLeft_ = hysteresis_;
         scale_ *= 2.0;
       }

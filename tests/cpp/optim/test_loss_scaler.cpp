@@ -210,8 +210,8 @@ TEST_CASE("a static loss scale never changes", "[loss_scaler]") {
 }
 
 // These sequences have the same outcome whether the scale doubles on the window-th clean step
-// (DeepSpeed) or one step later (loss_scaler.cpp today, see below), so they hold the rest of
-// the growth rule while the [!shouldfail] cases below cannot.
+// (DeepSpeed) or one step later (loss_scaler.cpp until the fix below), so they hold the rest of
+// the growth rule independently of the window rule.
 TEST_CASE("growth restores the hysteresis budget and an overflow restarts the count of clean steps",
           "[loss_scaler]") {
   // O spends one unit; three clean steps grow the scale once (on the 2nd or 3rd) and restore
@@ -232,14 +232,11 @@ TEST_CASE("growth restores the hysteresis budget and an overflow restarts the co
   CHECK(restarted.state().hysteresisLeft == 80);
 }
 
-// The next three cases hold the window rule, where loss_scaler.cpp is one step late: it doubles
-// on the (loss_scale_window + 1)-th clean step (FP16_Optimizer's "stable_interval" rule in
-// DeepSpeed's fused_optimizer.py, which has no hysteresis) instead of the window-th one
-// (DynamicLossScaler.update_scale: (cur_iter - last_overflow_iter) % scale_window == 0).
-// [!shouldfail] keeps the suite green until loss_scaler.cpp is fixed, and turns red once it is:
-// then drop the tag (and update tests/python/test_fp16.py's expected scales, which hold the
-// late doubling too).
-TEST_CASE("the scale doubles on every loss_scale_window-th clean step", "[loss_scaler][!shouldfail]") {
+// The next three cases hold the window rule: the scale doubles on the window-th clean step
+// (DynamicLossScaler.update_scale: (cur_iter - last_overflow_iter) % scale_window == 0), not on
+// the (loss_scale_window + 1)-th one (FP16_Optimizer's "stable_interval" rule in DeepSpeed's
+// fused_optimizer.py, which has no hysteresis), as loss_scaler.cpp did until these tests found it.
+TEST_CASE("the scale doubles on every loss_scale_window-th clean step", "[loss_scaler]") {
   LossScaler scaler(dynamicConfig(4, 3, 2, 1));
   CHECK(scalesAfter(scaler, "CCCCCCC") == std::vector<double>{16, 16, 32, 32, 32, 64, 64});
 
@@ -249,7 +246,7 @@ TEST_CASE("the scale doubles on every loss_scale_window-th clean step", "[loss_s
 }
 
 TEST_CASE("an overflow restarts the window and growth restores the hysteresis budget",
-          "[loss_scaler][!shouldfail]") {
+          "[loss_scaler]") {
   // DeepSpeed's engine test scenario (tests/python/test_fp16.py): overflow 1 spends the
   // hysteresis, overflow 2 halves, the 3rd clean step after it doubles.
   LossScaler scaler(dynamicConfig(8, 3, 2, 1));
@@ -264,7 +261,7 @@ TEST_CASE("an overflow restarts the window and growth restores the hysteresis bu
 }
 
 TEST_CASE("dynamic scaling follows the reference scaler over long random overflow sequences",
-          "[loss_scaler][!shouldfail]") {
+          "[loss_scaler]") {
   uint32_t seed = 1;
   for (const auto& config : kRandomConfigs) {
     for (const bool bursty : {true, false}) {

@@ -265,12 +265,10 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
       const ShardRange held = heldRange(s, b);
       for (size_t kind = 0; kind < (options.optimizerStates ? kNumKinds : 1); ++kind) {
         at::Tensor values = at::zeros({held.numel()}, at::TensorOptions().dtype(at::kFloat));
-        for (const auto& p : s.buckets[b].layout().params()) {
-          const int64_t begin = std::max(p.offset, held.begin);
-          const int64_t end = std::min(p.offset + p.numel, held.end);
-          if (begin >= end) continue;
-          reader->readParam(*reader->findParam(p.name), kStateKinds[kind], begin - p.offset, end - p.offset,
-                            values.data_ptr<float>() + (begin - held.begin));
+        const auto& layout = s.buckets[b].layout();
+        for (const auto& piece : layout.piecesIn(held)) {
+          reader->readParam(*reader->findParam(layout.params()[piece.param].name), kStateKinds[kind], piece.paramBegin,
+                            piece.paramEnd, values.data_ptr<float>() + piece.shardOffset);
         }
         staged[b].push_back(values);
       }

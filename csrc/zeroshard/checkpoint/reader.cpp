@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "zeroshard/checkpoint/directory.h"
+#include "zeroshard/layout/flat_layout.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -63,17 +64,11 @@ void CheckpointReader::readParam(const SavedParam& param, const std::string& kin
   const int64_t shard = manifest_.buffers.at(param.buffer).shardNumel;
   const std::string tensor = CheckpointManifest::stateTensorName(param.buffer, kind);
   // The parameter's range of the saved flat buffer, cut at the saved ranks' shard boundaries.
-  int64_t flat = param.offset + begin;
-  const int64_t flatEnd = param.offset + end;
-  while (flat < flatEnd) {
-    const int rank = static_cast<int>(flat / shard);
-    const int64_t within = flat - static_cast<int64_t>(rank) * shard;
-    const int64_t count = std::min(flatEnd - flat, shard - within);
-    auto& file = rankFile(rank);
+  for (const auto& span : FlatLayout::spansOf(param.offset + begin, param.offset + end, shard)) {
+    auto& file = rankFile(span.rank);
     TORCH_CHECK(file.entry(tensor).dtype == at::kFloat, "zeroshard checkpoint: '", tensor, "' is not float32");
-    file.readElements(tensor, within, count, out);
-    out += count;
-    flat += count;
+    file.readElements(tensor, span.offset, span.numel, out);
+    out += span.numel;
   }
 }
 

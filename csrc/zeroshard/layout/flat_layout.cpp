@@ -33,7 +33,24 @@ ShardRange FlatLayout::shardRange(int rank) const {
 }
 
 std::vector<ShardPiece> FlatLayout::piecesInShard(int rank) const {
-  const ShardRange shard = shardRange(rank);
+  return piecesIn(shardRange(rank));
+}
+
+std::vector<ShardSpan> FlatLayout::spansOf(int64_t begin, int64_t end, int64_t shardNumel) {
+  TORCH_CHECK(shardNumel > 0 && 0 <= begin && begin <= end, "zeroshard::FlatLayout: bad range [", begin, ", ", end,
+              ") of shards of ", shardNumel);
+  std::vector<ShardSpan> spans;
+  for (int64_t flat = begin; flat < end;) {
+    const int rank = static_cast<int>(flat / shardNumel);
+    const int64_t within = flat - static_cast<int64_t>(rank) * shardNumel;
+    const int64_t count = std::min(end - flat, shardNumel - within);
+    spans.push_back({rank, within, count});
+    flat += count;
+  }
+  return spans;
+}
+
+std::vector<ShardPiece> FlatLayout::piecesIn(const ShardRange& shard) const {
   std::vector<ShardPiece> pieces;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];

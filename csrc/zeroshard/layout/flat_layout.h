@@ -33,6 +33,13 @@ struct ShardPiece {
   int64_t shardOffset = 0;    // where paramBegin sits inside the shard
 };
 
+// A run of flat-buffer elements inside one rank's shard.
+struct ShardSpan {
+  int rank = 0;
+  int64_t offset = 0;  // within the rank's shard
+  int64_t numel = 0;
+};
+
 class FlatLayout {
  public:
   // Each shard's length is a multiple of this many elements, so shards start aligned.
@@ -48,6 +55,11 @@ class FlatLayout {
   ShardRange shardRange(int rank) const;
   // The pieces of parameters inside `rank`'s shard, in flat order (padding has none).
   std::vector<ShardPiece> piecesInShard(int rank) const;
+  // The same for any range of the flat buffer (shardOffset is then within `range`).
+  std::vector<ShardPiece> piecesIn(const ShardRange& range) const;
+  // Flat elements [begin, end) of a buffer cut into shards of `shardNumel` elements (e.g. a
+  // saved checkpoint's), at the shard boundaries, in order.
+  static std::vector<ShardSpan> spansOf(int64_t begin, int64_t end, int64_t shardNumel);
   // The ranks whose shards hold some of parameter `param`.
   std::vector<int> ranksHolding(size_t param) const;
 

@@ -233,3 +233,33 @@ TEST_CASE("bad layouts are rejected with a message naming the problem", "[flat_l
   CHECK_THROWS_AS(layout.piecesInShard(2), c10::Error);
   CHECK_THROWS_AS(layout.ranksHolding(1), c10::Error);
 }
+
+TEST_CASE("pieces of any flat range and spans of shards cover exactly what they are asked for", "[flat_layout]") {
+  // 12 + 7 + 30 elements at 2 ranks: shards of 32; a range across both shards.
+  FlatLayout layout(placements({{"a", {3, 4}}, {"b", {7}}, {"c", {30}}}), 2);
+  const auto pieces = layout.piecesIn(zeroshard::ShardRange{10, 40});
+  REQUIRE(pieces.size() == 3);
+  CHECK((pieces[0].param == 0 && pieces[0].paramBegin == 10 && pieces[0].paramEnd == 12 && pieces[0].shardOffset == 0));
+  CHECK((pieces[1].param == 1 && pieces[1].paramBegin == 0 && pieces[1].paramEnd == 7 && pieces[1].shardOffset == 2));
+  CHECK((pieces[2].param == 2 && pieces[2].paramBegin == 0 && pieces[2].paramEnd == 21 && pieces[2].shardOffset == 9));
+  // A rank's shard is the same question asked of its range.
+  for (int r = 0; r < 2; ++r) {
+    const auto a = layout.piecesInShard(r);
+    const auto b = layout.piecesIn(layout.shardRange(r));
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      CHECK((a[i].param == b[i].param && a[i].paramBegin == b[i].paramBegin && a[i].paramEnd == b[i].paramEnd &&
+             a[i].shardOffset == b[i].shardOffset));
+    }
+  }
+
+  // Elements [5, 70) of shards of 32: the tail of shard 0, all of shard 1, the head of shard 2.
+  const auto spans = FlatLayout::spansOf(5, 70, 32);
+  REQUIRE(spans.size() == 3);
+  CHECK((spans[0].rank == 0 && spans[0].offset == 5 && spans[0].numel == 27));
+  CHECK((spans[1].rank == 1 && spans[1].offset == 0 && spans[1].numel == 32));
+  CHECK((spans[2].rank == 2 && spans[2].offset == 0 && spans[2].numel == 6));
+  CHECK(FlatLayout::spansOf(64, 64, 32).empty());
+  CHECK_THROWS_AS(FlatLayout::spansOf(3, 2, 32), c10::Error);
+  CHECK_THROWS_AS(FlatLayout::spansOf(0, 4, 0), c10::Error);
+}

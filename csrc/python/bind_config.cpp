@@ -7,6 +7,7 @@
 
 #include "zeroshard/config/config.h"
 #include "zeroshard/config/config_keys.h"
+#include "zeroshard/plan/sharding_plan.h"
 
 namespace py = pybind11;
 
@@ -129,6 +130,9 @@ void bindConfig(py::module_& m) {
                     "None when not set.")
       .def_readonly("gradient_clipping", &Config::gradientClipping, "0 means no clipping.")
       .def_property_readonly("stage", [](const Config& c) { return c.zero.stage; })
+      // The plan's question, so that Python asks it rather than compare stage numbers.
+      .def_property_readonly("params_sharded",
+                             [](const Config& c) { return ShardingPlan::fromConfig(c, 1).paramsSharded(); })
       .def_property_readonly("bf16_enabled", [](const Config& c) { return c.bf16.enabled; })
       .def_property_readonly("fp16_enabled", [](const Config& c) { return c.fp16.enabled; })
       .def_property_readonly("fp16", part(&Config::fp16), internal)

@@ -234,7 +234,7 @@ def initialize(model, config, process_group=None, param_groups=None):
         # MixedPrecisionPolicy does. Buffers keep their dtype.
         dtype = torch.bfloat16 if cfg.bf16_enabled else torch.float16
         hooks.append(model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
-    if cfg.stage != 3:
+    if not cfg.params_sharded:
         core = _C.Engine(groups, process_group.group_name, cfg)
     else:
         units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)

@@ -6,7 +6,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "zeroshard/comm/bucket_gather.h"
 #include "zeroshard/grad/grad_reducer.h"
 #include "zeroshard/grad/grad_storage.h"
 
@@ -62,9 +61,14 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
   if (plan_.optimizerSharded()) masters_->shard(buckets_, comm_.rank());
   if (plan_.paramsSharded()) {
-    units_ = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
-                                            config_.zero.stage3PrefetchBucketSize,
-                                            config_.zero.stage3MaxLiveParameters);
+    auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
+                                                 config_.zero.stage3PrefetchBucketSize,
+                                                 config_.zero.stage3MaxLiveParameters);
+    units_ = units.get();
+    params_ = std::move(units);
+  } else {
+    params_ = std::make_unique<ReplicatedParams>(buckets_, comm_, plan_.optimizerSharded(),
+                                                 config_.zero.allgatherBucketSize);
   }
   grads_ = GradStorage::forPlan(plan_, buckets_, comm_.rank(),
                                 {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"});
@@ -112,7 +116,7 @@ void Engine::backward(const at::Tensor& loss) {
     throw;
   }
   reducer_->finishBackward();
-  if (units_) units_->finishBackward();
+  params_->finishBackward();
   backwardSinceStep_ = true;
 }
 
@@ -139,7 +143,7 @@ bool Engine::step() {
   clipGradients();
   optimizer_.step();
   masters_->pushToParams(buckets_);
-  gatherParams();
+  params_->afterStep();
   finishStep();
   return true;
 }
@@ -158,10 +162,8 @@ void Engine::finishStep() {
   comm_.resetStats();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
-  if (units_) {
-    lastPeakGatheredBytes_ = units_->peakGatheredBytes();
-    units_->resetPeak();
-  }
+  lastPeakGatheredBytes_ = params_->peakGatheredBytes();
+  params_->resetPeak();
 }
 
 void Engine::clipGradients() {
@@ -177,31 +179,13 @@ void Engine::clipGradients() {
   if (!coef.device().is_cpu() || coef.item<double>() < 1.0) optimizer_.scaleGrads(coef);
 }
 
-void Engine::gatherParams() {
-  if (!plan_.optimizerSharded()) return;
-  if (units_) {
-    units_->refreshKeptUnits();  // the other units gather from their shards when next used
-    return;
-  }
-  allGatherBuckets(buckets_, comm_, config_.zero.allgatherBucketSize);
-}
-
 void Engine::zeroGrads() {
   grads_->zero();
 }
 
 MemoryStats Engine::memoryStats() const {
   MemoryStats stats;
-  for (size_t i = 0; i < buckets_.size(); ++i) {
-    const auto& b = buckets_[i];
-    if (units_) {
-      // Between steps a unit holds its shard; only kept-gathered units also hold the full buffer.
-      stats.paramBytes += static_cast<int64_t>(b.paramShard().nbytes());
-      if (!units_->isReleasable(UnitIndex{i})) stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
-    } else {
-      stats.paramBytes += static_cast<int64_t>(b.flatParams().nbytes());
-    }
-  }
+  stats.paramBytes = params_->bytes();
   stats.gradBytes = grads_->bytes();
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
   stats.stagingPeakBytes = lastPeakStagingBytes_;
@@ -278,9 +262,9 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
 LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
   checkBetweenSteps("load_checkpoint()");
   auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
-  if (units_) units_->reshardAll();
+  params_->reshardAll();
   masters_->pushToParams(buckets_);
-  gatherParams();
+  params_->afterStep();
   zeroGrads();
   return loaded;
 }

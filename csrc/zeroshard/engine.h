@@ -12,6 +12,7 @@
 
 #include "zeroshard/layout/bucket.h"
 #include "zeroshard/layout/param_groups.h"
+#include "zeroshard/layout/param_storage.h"
 #include "zeroshard/checkpoint/engine_checkpoint.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
@@ -154,7 +155,6 @@ class Engine {
   void clipGradients();
   bool overflowed();
   void finishStep();
-  void gatherParams();
   void zeroGrads();
   CheckpointedState checkpointedState();
   void checkBetweenSteps(const char* call) const;
@@ -171,7 +171,8 @@ class Engine {
   ShardedAdamW optimizer_;
   std::unique_ptr<GradStorage> grads_;  // before reducer_, which drives it
   std::unique_ptr<GradReducer> reducer_;
-  std::unique_ptr<UnitScheduler> units_;
+  std::unique_ptr<ParamStorage> params_;  // chosen by the plan
+  UnitScheduler* units_ = nullptr;        // params_ at stage 3, for the module hooks
   std::vector<std::optional<UnitIndex>> specToUnit_;  // none: a unit without parameters of its own
   std::vector<UnitInfo> unitInfos_;
   std::vector<std::vector<OptimizerSlot>> slots_;  // each bucket's optimizer state

@@ -34,11 +34,11 @@ at::Tensor Engine::runUnit(size_t unitSpec, const std::function<at::Tensor()>& f
 }
 
 void Engine::gatherParameters() {
-  if (units_) units_->gatherAll();
+  params_->gatherAll();
 }
 
 void Engine::reshardParameters() {
-  if (units_) units_->reshardAll();
+  params_->reshardAll();
 }
 
 } // namespace zeroshard

@@ -179,6 +179,15 @@ void UnitScheduler::checkOrderAcrossRanks() {
   }
 }
 
+int64_t UnitScheduler::bytes() const {
+  int64_t total = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    total += static_cast<int64_t>(units_[u].paramShard().nbytes());
+    if (policies_[u].keepGathered) total += static_cast<int64_t>(units_[u].flatParams().nbytes());
+  }
+  return total;
+}
+
 void UnitScheduler::refreshKeptUnits() {
   std::vector<CommHandle> handles;
   for (size_t u = 0; u < units_.size(); ++u) {

@@ -13,6 +13,7 @@
 
 #include "zeroshard/layout/bucket.h"
 #include "zeroshard/comm/communicator.h"
+#include "zeroshard/layout/param_storage.h"
 
 #include <cstdint>
 #include <optional>
@@ -34,7 +35,8 @@ struct UnitPolicy {
   bool keepGathered = false;        // persistent parameters: never released
 };
 
-class UnitScheduler {
+// The sharded parameter storage of stage 3 (layout/param_storage.h).
+class UnitScheduler final : public ParamStorage {
  public:
   UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                int64_t prefetchElements, int64_t maxLiveElements);
@@ -49,17 +51,21 @@ class UnitScheduler {
   // The unit's gradients were handed to the reducer: its gathered parameters can go.
   void afterGradReduce(UnitIndex unit);
   // End of a backward: releases what is still gathered, checks the order once.
-  void finishBackward();
-  // After the optimizer step: kept-gathered units all-gather their updated shards.
+  void finishBackward() override;
+  // After the optimizer step: kept-gathered units all-gather their updated shards (the others
+  // gather from their shards when next used).
   void refreshKeptUnits();
+  void afterStep() override { refreshKeptUnits(); }
 
   // gathered_parameters() and full state dicts.
-  void gatherAll();
-  void reshardAll();
+  void gatherAll() override;
+  void reshardAll() override;
+  // Between steps a unit holds its shard; kept-gathered units also hold the full buffer.
+  int64_t bytes() const override;
 
   bool isReleasable(UnitIndex unit) const { return !policies_.at(unit.value).keepGathered; }
-  int64_t peakGatheredBytes() const { return peakBytes_; }
-  void resetPeak() { peakBytes_ = liveBytes_; }
+  int64_t peakGatheredBytes() const override { return peakBytes_; }
+  void resetPeak() override { peakBytes_ = liveBytes_; }
 
  private:
   void startUnshard(size_t unit);

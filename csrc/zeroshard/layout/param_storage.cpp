@@ -1,20 +1,22 @@
-#include "zeroshard/comm/bucket_gather.h"
+#include "zeroshard/layout/param_storage.h"
 
 #include <algorithm>
 
 namespace zeroshard {
 
-void allGatherBuckets(std::vector<Bucket>& buckets, Communicator& comm, int64_t limit) {
+void ReplicatedParams::afterStep() {
+  if (!shardedOptimizer_) return;
   // Note [all-gather buckets]: zero_optimization.allgather_bucket_size bounds the elements one
   // all-gather delivers, as in DeepSpeed's stages 1 and 2. A bucket that fits is gathered in one
   // call straight into its flat buffer, all such buckets at once; a larger one goes chunk by
   // chunk, the same chunk of every rank's slice per call, each waited for before the next, so
   // the backend's staging buffer stays within the bound.
-  const int64_t world = comm.worldSize();
+  const int64_t limit = gatherLimit_;
+  const int64_t world = comm_.worldSize();
   std::vector<CommHandle> handles;
-  for (auto& b : buckets) {
+  for (auto& b : buckets_) {
     if (b.layout().paddedNumel() <= limit) {
-      handles.push_back(comm.allGather(b.paramShard(), b.flatParams()));
+      handles.push_back(comm_.allGather(b.paramShard(), b.flatParams()));
       continue;
     }
     const int64_t shardNumel = b.layout().shardNumel();
@@ -24,10 +26,16 @@ void allGatherBuckets(std::vector<Bucket>& buckets, Communicator& comm, int64_t 
       const int64_t length = std::min(chunk, shardNumel - begin);
       std::vector<at::Tensor> pieces;
       for (int64_t r = 0; r < world; ++r) pieces.push_back(b.flatParams().narrow(0, r * shardNumel + begin, length));
-      comm.allGatherPieces(shard.narrow(0, begin, length), pieces).wait();
+      comm_.allGatherPieces(shard.narrow(0, begin, length), pieces).wait();
     }
   }
   for (auto& h : handles) h.wait();
+}
+
+int64_t ReplicatedParams::bytes() const {
+  int64_t total = 0;
+  for (const auto& b : buckets_) total += static_cast<int64_t>(b.flatParams().nbytes());
+  return total;
 }
 
 }  // namespace zeroshard

@@ -1,0 +1,54 @@
+// Where the parameters live between uses, chosen by the sharding plan. The engine owns the
+// buckets; the storage decides what of them exists when.
+//
+//   replicated (stages 0-2, ReplicatedParams below): every rank holds every bucket's full flat
+//     buffer. Where the optimizer state is sharded (stages 1 and 2) each rank updates only its
+//     slice, and afterStep() all-gathers the buckets.
+//   sharded (stage 3, stage3/unit_scheduler.h): each rank holds its slice of every unit; a
+//     unit's full buffer exists only around its forward and backward.
+#pragma once
+
+#include "zeroshard/comm/communicator.h"
+#include "zeroshard/layout/bucket.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+class ParamStorage {
+ public:
+  virtual ~ParamStorage() = default;
+  // End of a backward (stage 3: what is still gathered is released).
+  virtual void finishBackward() {}
+  // The optimizer step wrote this rank's part of the parameters: make them whole where they are
+  // kept whole. Blocking.
+  virtual void afterStep() = 0;
+  // Every parameter whole (blocking), and released again (gathered_parameters()).
+  virtual void gatherAll() {}
+  virtual void reshardAll() {}
+  // Bytes of parameters held between steps.
+  virtual int64_t bytes() const = 0;
+  // The most bytes of gathered parameters alive at once since resetPeak() (stage 3).
+  virtual int64_t peakGatheredBytes() const { return 0; }
+  virtual void resetPeak() {}
+};
+
+// Stages 0-2.
+class ReplicatedParams final : public ParamStorage {
+ public:
+  // `shardedOptimizer`: each rank updates its slice only (stages 1 and 2). `gatherLimit`: the
+  // most elements one all-gather delivers (zero_optimization.allgather_bucket_size).
+  ReplicatedParams(std::vector<Bucket>& buckets, Communicator& comm, bool shardedOptimizer, int64_t gatherLimit)
+      : buckets_(buckets), comm_(comm), shardedOptimizer_(shardedOptimizer), gatherLimit_(gatherLimit) {}
+  void afterStep() override;
+  int64_t bytes() const override;
+
+ private:
+  std::vector<Bucket>& buckets_;
+  Communicator& comm_;
+  bool shardedOptimizer_;
+  int64_t gatherLimit_;
+};
+
+}  // namespace zeroshard

@@ -69,8 +69,10 @@ py::list groupDicts(const std::vector<ParamGroupSpec>& specs) {
 void bindEngine(py::module_& m) {
   m.def(
       "_param_groups",
-      [](const py::list& groups, const std::vector<std::pair<std::string, at::Tensor>>& modelParams) {
-        return groupDicts(nameParamGroups(groupSpecs(groups), modelParams));
+      [](const py::object& groups, const std::vector<std::pair<std::string, at::Tensor>>& modelParams) {
+        // None: one group of every trainable parameter.
+        return groupDicts(nameParamGroups(
+            groups.is_none() ? std::nullopt : std::optional(groupSpecs(groups.cast<py::list>())), modelParams));
       },
       "groups"_a, "model_params"_a,
       "Names and checks param groups by the model's parameters (layout/param_groups.h).");

@@ -45,7 +45,7 @@ std::vector<std::pair<std::string, at::Tensor>> stateOf(const torch::nn::Module&
 
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules)
-    : Engine(nameParamGroups({}, uniqueParams(model)), std::move(processGroup), std::move(config),
+    : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
              unitSpecs(model, unitModules)) {
   setModuleStateFrom(stateOf(model));
 }

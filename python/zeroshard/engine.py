@@ -69,8 +69,10 @@ def init_distributed(timeout_seconds=600.0):
 def _param_groups(model, param_groups):
     """[{"names", "params", and the group's lr, weight_decay, betas, eps}], named and checked in
     C++ (a tensor that is not the model's, a trainable parameter in no group, an unknown key)."""
-    groups = [g if isinstance(g, dict) else {"params": g} for g in param_groups or []]
-    groups = [{**g, "params": list(g["params"])} if "params" in g else g for g in groups]
+    groups = None
+    if param_groups is not None:
+        groups = [g if isinstance(g, dict) else {"params": g} for g in param_groups]
+        groups = [{**g, "params": list(g["params"])} if "params" in g else g for g in groups]
     return _C._param_groups(groups, list(model.named_parameters()))
 
 

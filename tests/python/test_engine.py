@@ -122,6 +122,10 @@ def _errors(rank, world_size):
     partial = make_model()
     with pytest.raises(ValueError, match="are in no param group"):
         zeroshard.initialize(partial, _config(1), param_groups=[{"params": [partial.head.weight]}])
+    with pytest.raises(ValueError, match="are in no param group"):
+        zeroshard.initialize(partial, _config(1), param_groups=[])  # none given is not "all"
+    with pytest.raises(ValueError, match=r"param group 0 has unknown keys \['momentum'\]"):
+        zeroshard.initialize(partial, _config(1), param_groups=[{"params": partial.parameters(), "momentum": 0.9}])
     unknown_units = _config(3)
     unknown_units["zeroshard"]["stage3_unit_classes"] = ["NoSuchBlock"]
     with pytest.raises(ValueError, match=r"no module of class \['NoSuchBlock'\]"):

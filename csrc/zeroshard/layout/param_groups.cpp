@@ -8,11 +8,14 @@
 
 namespace zeroshard {
 
-std::vector<ParamGroupSpec> nameParamGroups(std::vector<ParamGroupSpec> groups,
+std::vector<ParamGroupSpec> nameParamGroups(std::optional<std::vector<ParamGroupSpec>> given,
                                             const std::vector<std::pair<std::string, at::Tensor>>& modelParams) {
   std::unordered_map<const void*, const std::string*> names;
   for (const auto& [name, p] : modelParams) names.emplace(p.unsafeGetTensorImpl(), &name);
-  if (groups.empty()) {
+  std::vector<ParamGroupSpec> groups;
+  if (given) {
+    groups = std::move(*given);
+  } else {
     ParamGroupSpec all;
     for (const auto& [name, p] : modelParams) {
       if (p.requires_grad()) all.params.push_back(p);

@@ -23,10 +23,10 @@ struct ParamGroupSpec {
 };
 
 // Names each group's parameters after the model's: `modelParams` are the model's parameters in
-// order, each once, under its first name. No groups: every trainable parameter of the model in
-// one group. A tensor that is not a parameter of the model, or a trainable parameter in no
-// group, is an error (ValueError in Python) naming it.
-std::vector<ParamGroupSpec> nameParamGroups(std::vector<ParamGroupSpec> groups,
+// order, each once, under its first name. No groups given (nullopt): every trainable parameter
+// of the model in one group. A tensor that is not a parameter of the model, or a trainable
+// parameter in no group, is an error (ValueError in Python) naming it.
+std::vector<ParamGroupSpec> nameParamGroups(std::optional<std::vector<ParamGroupSpec>> groups,
                                             const std::vector<std::pair<std::string, at::Tensor>>& modelParams);
 
 // The one home of the param-group rules (the Python layer only turns torch's param-group dicts

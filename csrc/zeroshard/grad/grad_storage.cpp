@@ -67,6 +67,9 @@ class FullGradStorage final : public GradStorage {
 
   void zero() override {
     for (auto& flat : flat_) flat.zero_();
+    for (auto& wide : wideShard_) {
+      if (wide.defined()) wide.zero_();
+    }
   }
 
   int64_t bytes() const override {

@@ -679,10 +679,10 @@ TEST_CASE("two ranks keep fp16 sums finite with preDivide and bf16 sums unrounde
   CHECK(zeroshard::testing::describeFailures(outcomes).empty());
 }
 
-// Fails today: FullGradStorage::zero() zeroes the flat buffers but not stage 1's fp32 gradient
-// shard (16-bit gradients reduced in fp32), which keeps the last window's sums until the next
-// boundary overwrites it. grad_storage.h says every gradient is zero after zero().
-TEST_CASE("zero() also empties stage 1's fp32 gradient shard of 16-bit gradients", "[grad_reducer][!shouldfail]") {
+// FullGradStorage::zero() zeroed the flat buffers but not stage 1's fp32 gradient shard (16-bit
+// gradients reduced in fp32), which kept the last window's sums until the next boundary
+// overwrote it; grad_storage.h says every gradient is zero after zero().
+TEST_CASE("zero() also empties stage 1's fp32 gradient shard of 16-bit gradients", "[grad_reducer]") {
   const auto plan = ShardingPlan::forStage(1, 1);
   auto buckets = makeBuckets(kModel, 0, 1, at::kBFloat16);
   auto grads = GradStorage::forPlan(plan, buckets, 0, {at::kBFloat16, 1, true});

@@ -7,6 +7,7 @@
 // Complete type for the intrusive_ptr that initProcessGroupFromEnv() returns.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "grad_model.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/process_group.h"
 #include "zeroshard/grad/grad_reducer.h"
@@ -36,82 +37,15 @@ using zeroshard::ReductionOptions;
 using zeroshard::ShardingPlan;
 using zeroshard::UnitIndex;
 using zeroshard::UnitScheduler;
+using zeroshard::testing::expectedFlat;
+using zeroshard::testing::gradOf;
+using zeroshard::testing::kModel;
+using zeroshard::testing::lossOf;
+using zeroshard::testing::makeBuckets;
 
 namespace {
 
 // ---- gradients -------------------------------------------------------------------------------
-
-struct ParamSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
-using BucketSpec = std::vector<ParamSpec>;
-
-// test_grad_reducer.cpp's model: 32, 64 and 64 elements padded at two ranks, so rank 1's
-// shard of bucket 1 starts inside fc.weight and its shard of bucket 0 holds padding only.
-const std::vector<BucketSpec> kModel = {
-    {{"head.bias", {3}}, {"head.weight", {3, 7}}},
-    {{"fc.bias", {7}}, {"fc.weight", {7, 8}}},
-    {{"embedding", {5, 8}}},
-};
-
-std::vector<Bucket> makeBuckets(const std::vector<BucketSpec>& specs, int rank, int world,
-                                at::ScalarType computeDtype = at::kFloat) {
-  std::vector<Bucket> buckets;
-  buckets.reserve(specs.size());
-  for (const auto& spec : specs) {
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& p : spec) {
-      params.push_back(at::ones(p.shape).set_requires_grad(true));
-      names.push_back(p.name);
-    }
-    buckets.emplace_back(std::move(params), std::move(names), std::vector<int>(spec.size(), 0), rank, world,
-                         computeDtype);
-  }
-  return buckets;
-}
-
-// The gradient rank `rank` gives the j-th parameter in micro-batch `micro` (as in
-// test_grad_reducer.cpp): small integers whose means over two ranks are exact.
-at::Tensor gradOf(int64_t j, int64_t numel, int micro, int rank) {
-  return at::arange(numel, at::kDouble).remainder(5).add(1 + j + 4 * micro + 8 * rank);
-}
-
-at::Tensor lossOf(const std::vector<Bucket>& buckets, int micro, int rank, const std::set<std::string>& skip = {}) {
-  std::vector<at::Tensor> terms;
-  int64_t j = 0;
-  for (const auto& bucket : buckets) {
-    for (size_t i = 0; i < bucket.size(); ++i, ++j) {
-      const auto& p = bucket.params()[i];
-      if (skip.count(bucket.layout().params()[i].name)) continue;
-      terms.push_back((p * gradOf(j, p.numel(), micro, rank).view(p.sizes()).to(p.scalar_type())).sum());
-    }
-  }
-  at::Tensor loss = terms.front().to(at::kFloat);
-  for (size_t t = 1; t < terms.size(); ++t) loss = loss + terms[t].to(at::kFloat);
-  return loss;
-}
-
-// Bucket b's flat gradients after micro-batches `micros`: the sum over them of the mean over
-// `world` ranks, zero in the padding and for the skipped parameters.
-at::Tensor expectedFlat(const std::vector<Bucket>& buckets, size_t b, const std::vector<int>& micros, int world,
-                        const std::set<std::string>& skip = {}) {
-  int64_t j = 0;
-  for (size_t k = 0; k < b; ++k) j += static_cast<int64_t>(buckets[k].size());
-  const auto& layout = buckets[b].layout();
-  auto flat = at::zeros({layout.paddedNumel()}, at::kDouble);
-  for (size_t i = 0; i < buckets[b].size(); ++i, ++j) {
-    const auto& place = layout.params()[i];
-    if (skip.count(place.name)) continue;
-    for (int micro : micros) {
-      auto mean = at::zeros({place.numel}, at::kDouble);
-      for (int r = 0; r < world; ++r) mean += gradOf(j, place.numel, micro, r);
-      flat.narrow(0, place.offset, place.numel).add_(mean / world);
-    }
-  }
-  return flat;
-}
 
 void expectValues(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   TORCH_CHECK(actual.sizes() == expected.sizes() && at::equal(actual.to(at::kDouble), expected.to(at::kDouble)),

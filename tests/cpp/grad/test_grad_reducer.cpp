@@ -5,6 +5,8 @@
 // in this process. At one rank the mean over ranks is each rank's own gradient; the two-rank
 // scenarios, where it is not, run in tests/cpp/grad_worker.cpp.
 #include "error_text.h"
+#include "grad_model.h"
+#include "single_rank_group.h"
 #include "spawn_ranks.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/process_group.h"
@@ -22,10 +24,6 @@
 #undef CHECK
 #include "catch.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -49,130 +47,19 @@ using zeroshard::ReductionOptions;
 using zeroshard::ShardingPlan;
 using zeroshard::testing::contains;
 using zeroshard::testing::errorText;
+using zeroshard::testing::kTimeout;
+using zeroshard::testing::singleRankGroup;
+using zeroshard::testing::kModel;
+using zeroshard::testing::kEqualBuckets;
+using zeroshard::testing::makeBuckets;
+using zeroshard::testing::gradOf;
+using zeroshard::testing::lossOf;
+using zeroshard::testing::expectedFlat;
+using zeroshard::testing::BucketSpec;
+using zeroshard::testing::ParamSpec;
 
 namespace {
 
-constexpr std::chrono::seconds kTimeout{30};
-
-// A port the kernel just handed out; the group's TCPStore binds it a moment later.
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    throw std::runtime_error("test_grad_reducer: cannot find a free port");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// The Gloo group of one rank these tests share, made as a C++ program makes its group
-// (initProcessGroupFromEnv, with the torchrun variables set for that call only). It lives until
-// the process exits; each test makes its own Communicator over it, so counts start at zero.
-const c10::intrusive_ptr<c10d::ProcessGroup>& singleRankGroup() {
-  static const auto* group = [] {
-    const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
-    std::vector<std::optional<std::string>> saved;
-    for (const char* name : names) {
-      const char* value = std::getenv(name);
-      saved.push_back(value ? std::optional<std::string>(value) : std::nullopt);
-      ::unsetenv(name);
-    }
-    ::setenv("RANK", "0", 1);
-    ::setenv("WORLD_SIZE", "1", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(freePort()).c_str(), 1);
-    auto* made = new c10::intrusive_ptr<c10d::ProcessGroup>(zeroshard::initProcessGroupFromEnv(kTimeout));
-    for (size_t i = 0; i < saved.size(); ++i) {
-      if (saved[i]) ::setenv(names[i], saved[i]->c_str(), 1); else ::unsetenv(names[i]);
-    }
-    return made;
-  }();
-  return *group;
-}
-
-struct ParamSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
-using BucketSpec = std::vector<ParamSpec>;
-
-// Three buckets of 32, 64 and 48 elements padded at one rank (32, 64, 64 at two), each with a
-// parameter that is not a multiple of the alignment.
-const std::vector<BucketSpec> kModel = {
-    {{"head.bias", {3}}, {"head.weight", {3, 7}}},
-    {{"fc.bias", {7}}, {"fc.weight", {7, 8}}},
-    {{"embedding", {5, 8}}},
-};
-
-// Four buckets of 32 elements padded (one parameter of 30 each), for the staging peaks.
-const std::vector<BucketSpec> kEqualBuckets = {
-    {{"block0.weight", {30}}}, {{"block1.weight", {30}}}, {{"block2.weight", {30}}}, {{"block3.weight", {30}}}};
-
-std::vector<Bucket> makeBuckets(const std::vector<BucketSpec>& specs, int rank, int world,
-                                at::ScalarType computeDtype = at::kFloat) {
-  std::vector<Bucket> buckets;
-  buckets.reserve(specs.size());
-  for (const auto& spec : specs) {
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& p : spec) {
-      params.push_back(at::ones(p.shape).set_requires_grad(true));
-      names.push_back(p.name);
-    }
-    buckets.emplace_back(std::move(params), std::move(names), std::vector<int>(spec.size(), 0), rank, world,
-                         computeDtype);
-  }
-  return buckets;
-}
-
-// The gradient rank `rank` gives the model's j-th parameter in micro-batch `micro`: small
-// integers (at most 27), so sums over micro-batches and means over ranks are exact in float32
-// and bfloat16.
-at::Tensor gradOf(int64_t j, int64_t numel, int micro, int rank) {
-  return at::arange(numel, at::kDouble).remainder(5).add(1 + j + 4 * micro + 8 * rank);
-}
-
-// sum_j (p_j * g_j).sum() over the parameters not in `skip`. Autograd runs the newest nodes
-// first, so backward produces the gradients bucket by bucket from the last: bucket 2, then 1,
-// then 0, never two buckets at once.
-at::Tensor lossOf(const std::vector<Bucket>& buckets, int micro, int rank, const std::set<std::string>& skip = {}) {
-  std::vector<at::Tensor> terms;
-  int64_t j = 0;
-  for (const auto& bucket : buckets) {
-    for (size_t i = 0; i < bucket.size(); ++i, ++j) {
-      const auto& p = bucket.params()[i];
-      if (skip.count(bucket.layout().params()[i].name)) continue;
-      terms.push_back((p * gradOf(j, p.numel(), micro, rank).view(p.sizes()).to(p.scalar_type())).sum());
-    }
-  }
-  at::Tensor loss = terms.front().to(at::kFloat);
-  for (size_t t = 1; t < terms.size(); ++t) loss = loss + terms[t].to(at::kFloat);
-  return loss;
-}
-
-// Bucket b's padded flat gradients after micro-batches `micros` at `world` ranks: the sum over
-// the micro-batches of the mean over ranks; zero in the padding and for the skipped parameters.
-at::Tensor expectedFlat(const std::vector<Bucket>& buckets, size_t b, const std::vector<int>& micros, int world,
-                        const std::set<std::string>& skip = {}) {
-  int64_t j = 0;
-  for (size_t k = 0; k < b; ++k) j += static_cast<int64_t>(buckets[k].size());
-  const auto& layout = buckets[b].layout();
-  auto flat = at::zeros({layout.paddedNumel()}, at::kDouble);
-  for (size_t i = 0; i < buckets[b].size(); ++i, ++j) {
-    const auto& place = layout.params()[i];
-    if (skip.count(place.name)) continue;
-    for (int micro : micros) {
-      auto mean = at::zeros({place.numel}, at::kDouble);
-      for (int r = 0; r < world; ++r) mean += gradOf(j, place.numel, micro, r);
-      flat.narrow(0, place.offset, place.numel).add_(mean / world);
-    }
-  }
-  return flat;
-}
 
 // What optimizerGrad(b) must hold: the whole flat buffer when the optimizer is replicated, this
 // rank's shard of it otherwise.

@@ -6,6 +6,7 @@
 // Two ranks (gathers that combine both ranks' shards, the cross-rank order check) run in
 // tests/cpp/grad_worker.cpp.
 #include "error_text.h"
+#include "single_rank_group.h"
 #include "spawn_ranks.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/process_group.h"
@@ -25,10 +26,6 @@
 #undef CHECK
 #include "catch.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -56,51 +53,12 @@ using zeroshard::UnitScheduler;
 using zeroshard::UnitSpec;
 using zeroshard::testing::contains;
 using zeroshard::testing::errorText;
+using zeroshard::testing::kTimeout;
+using zeroshard::testing::singleRankGroup;
 
 namespace {
 
-constexpr std::chrono::seconds kTimeout{30};
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
-
-// A port the kernel just handed out; the group's TCPStore binds it a moment later.
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    throw std::runtime_error("test_unit_scheduler: cannot find a free port");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// The Gloo group of one rank these tests share, made as a C++ program makes its group
-// (initProcessGroupFromEnv, with the torchrun variables set for that call only). It lives until
-// the process exits; each test makes its own Communicator over it, so counts start at zero.
-const c10::intrusive_ptr<c10d::ProcessGroup>& singleRankGroup() {
-  static const auto* group = [] {
-    const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
-    std::vector<std::optional<std::string>> saved;
-    for (const char* name : names) {
-      const char* value = std::getenv(name);
-      saved.push_back(value ? std::optional<std::string>(value) : std::nullopt);
-      ::unsetenv(name);
-    }
-    ::setenv("RANK", "0", 1);
-    ::setenv("WORLD_SIZE", "1", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(freePort()).c_str(), 1);
-    auto* made = new c10::intrusive_ptr<c10d::ProcessGroup>(zeroshard::initProcessGroupFromEnv(kTimeout));
-    for (size_t i = 0; i < saved.size(); ++i) {
-      if (saved[i]) ::setenv(names[i], saved[i]->c_str(), 1); else ::unsetenv(names[i]);
-    }
-    return made;
-  }();
-  return *group;
-}
 
 at::Tensor leaf(int64_t numel, double scale, bool requiresGrad = true) {
   return at::arange(numel, at::kFloat).remainder(7).add(1).mul(scale).set_requires_grad(requiresGrad);

@@ -335,6 +335,45 @@ def test_a_client_state_that_would_not_load_back_fails_the_save_on_every_rank(tm
     assert [p for p in published if not p.startswith(".")] == []
 
 
+def _client_state_unreadable_on_one_rank(rank, world_size, ckpt):
+    """Saves, trains on, then loads while rank 1 cannot unpickle the client state (the load's
+    callback sees torch.load fail there): every rank must fail, naming it, with nothing changed."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    import zeroshard
+
+    model = make_stateful_model(0)
+    engine = zeroshard.initialize(model, _config(world_size, 2))
+    _train(model, engine, rank, world_size, range(1))
+    engine.save_checkpoint(ckpt, client_state={"next_step": 1})
+    _train(model, engine, rank, world_size, range(1, 2))
+    before = engine.full_state_dict(dtype=torch.float32)
+    steps = engine.global_steps
+    refuse = mock.patch("torch.load", side_effect=ValueError("refused by the test"))
+    try:
+        with refuse if rank == 1 else contextlib.nullcontext():
+            engine.load_checkpoint(ckpt)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    after = engine.full_state_dict(dtype=torch.float32)
+    unchanged = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
+    _path, client_state = engine.load_checkpoint(ckpt)  # readable again: the same engine loads it
+    return error, unchanged, client_state
+
+
+def test_a_client_state_that_cannot_be_read_fails_the_load_on_every_rank_and_changes_nothing(tmp_path):
+    (error0, unchanged0, state0), (error1, unchanged1, state1) = run_ranks(
+        _client_state_unreadable_on_one_rank, 2, str(tmp_path))
+    assert "client_state cannot be read: ValueError: refused by the test" in error1
+    assert "failed on rank(s) 1" in error0 and "no rank changed anything" in error0
+    assert unchanged0 and unchanged1
+    assert state0 == state1 == {"next_step": 1}
+
+
 def _fine_tune_from(rank, world_size, ckpt):
     """Saves at stage 2; then another run (stage 3, two param groups, a tenth of the lr) takes
     only the weights and trains one step."""

@@ -96,3 +96,20 @@ TEST_CASE("the torchrun environment is read, and a bad one is named", "[process_
     CHECK(launchError().find("MASTER_PORT=\"http\" is not an integer") != std::string::npos);
   }
 }
+
+TEST_CASE("one GPU per local rank when every local rank has one, else CPU tensors and Gloo with a reason",
+          "[process_group]") {
+  const auto none = zeroshard::chooseDevice(1, 2, 0);
+  CHECK((!none.useGpu && none.gpu == -1 && none.warning.empty()));
+
+  for (int local = 0; local < 4; ++local) {
+    const auto enough = zeroshard::chooseDevice(local, 4, 4);
+    CHECK((enough.useGpu && enough.gpu == local && enough.warning.empty()));
+  }
+  const auto spare = zeroshard::chooseDevice(1, 2, 8);
+  CHECK((spare.useGpu && spare.gpu == 1));
+
+  const auto tooFew = zeroshard::chooseDevice(2, 4, 2);
+  CHECK((!tooFew.useGpu && tooFew.gpu == -1));
+  CHECK(tooFew.warning.find("4 ranks on this machine but 2 visible GPU(s)") != std::string::npos);
+}

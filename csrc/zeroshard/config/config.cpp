@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zeroshard/config/config_keys.h"
 #include "zeroshard/config/config_reader.h"
 
 namespace zeroshard {
@@ -25,6 +26,17 @@ int64_t multiply(int64_t a, int64_t b, const std::string& source, const std::str
 }
 
 }  // namespace
+
+double SchedulerConfig::param(const std::string& key) const {
+  if (auto it = params.find(key); it != params.end()) return it->second;
+  if (const auto* specs = detail::schedulerParams(type)) {
+    for (const auto& spec : *specs) {
+      if (spec.key == key && spec.defaultValue) return *spec.defaultValue;
+    }
+  }
+  throw std::out_of_range("zeroshard: scheduler " + (type.empty() ? std::string("(none)") : type) +
+                          " has no value for \"" + key + "\"");
+}
 
 bool ZeroConfig::overlapCommResolved() const { return overlapComm.value_or(stage == 3); }
 

@@ -10,6 +10,7 @@
 // docs/config.md is the reference for every key.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -68,10 +69,36 @@ struct ZeroConfig {
   // staging buffer), so `false` is a warning (docs/config.md).
   int64_t stage3PrefetchBucketSize = 50000000;  // 0 = no prefetch
   int64_t stage3ParamPersistenceThreshold = 100000;
+  // 0 = DeepSpeed's meaning: nothing is prefetched past the unit in use.
   int64_t stage3MaxLiveParameters = 1000000000;
+  // stage3_gather_16bit_weights_on_model_save (aliases gather_16bit_weights_on_model_save,
+  // stage3_gather_fp16_weights_on_model_save): whether save_16bit_model gathers a stage-3 model
+  // and writes it; without it stage 3 writes nothing and warns, as DeepSpeed does. Stages 0-2
+  // always write.
+  bool gather16bitWeightsOnModelSave = false;
 
   // DeepSpeed's default: overlap at stage 3, not below.
   bool overlapCommResolved() const;
+};
+
+// "scheduler": one of DeepSpeed's learning-rate schedules (deepspeed/runtime/lr_schedules.py),
+// stepped by the engine once per optimizer step taken (optim/lr_schedule.h has the formulas).
+struct SchedulerConfig {
+  // "" = no schedule; else "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle" or
+  // "LRRangeTest" (written exactly so, as DeepSpeed requires).
+  std::string type;
+  // The "params" as written, validated against the type's keys: numbers as they are, booleans
+  // as 1 or 0. A key written as null (DeepSpeed's None, e.g. cycle_second_step_size) is absent.
+  std::map<std::string, double> params;
+  // warmup_type of WarmupLR, WarmupDecayLR and WarmupCosineLR: "log" (the default) or "linear".
+  std::string warmupType = "log";
+
+  bool enabled() const { return !type.empty(); }
+  // The written value of params[key], else DeepSpeed's default for this type. Throws
+  // std::out_of_range for a key the type does not have or that has no default (e.g.
+  // total_num_steps of WarmupDecayLR, required when the type is read).
+  double param(const std::string& key) const;
+  bool has(const std::string& key) const { return params.count(key) != 0; }
 };
 
 // "zeroshard": keys DeepSpeed does not have.
@@ -106,6 +133,20 @@ struct Config {
   OptimizerConfig optimizer;
   ZeroConfig zero;
   ZeroshardExtras extras;
+  SchedulerConfig scheduler;
+  // steps_per_print: rank 0 logs step, lr, loss scale, loss and samples/s every this many
+  // optimizer steps (DeepSpeed's default 10). wall_clock_breakdown: the log line adds forward,
+  // backward, step and communication milliseconds.
+  int64_t stepsPerPrint = 10;
+  bool wallClockBreakdown = false;
+
+  // Dotted paths of the keys written as "auto" (the Hugging Face Trainer's placeholder), in the
+  // file's order, e.g. "optimizer.params.lr". Their fields hold the defaults until resolved
+  // (config/auto_values.h: resolveAuto); an Engine refuses a Config with any left.
+  std::vector<std::string> autoKeys;
+  // The config as written (JSON text), kept so that resolving "auto" can read it again with
+  // the values filled in.
+  std::string text;
 
   std::string source;                 // file path, "<string>" or "<dict>"; starts every message
   std::vector<std::string> warnings;  // one per known DeepSpeed key that is ignored

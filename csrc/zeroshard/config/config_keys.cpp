@@ -82,6 +82,66 @@ std::string quoted(std::string_view s) {
 
 }  // namespace
 
+const std::vector<std::string_view>& schedulerTypes() {
+  static const std::vector<std::string_view> types = {"LRRangeTest", "OneCycle", "WarmupLR",
+                                                      "WarmupDecayLR", "WarmupCosineLR"};
+  return types;
+}
+
+const std::vector<SchedulerParamSpec>* schedulerParams(std::string_view type) {
+  using K = SchedulerParamSpec::Kind;
+  // Defaults are those of DeepSpeed's classes (deepspeed/runtime/lr_schedules.py); a key
+  // without one is a required argument there.
+  static const std::vector<SchedulerParamSpec> rangeTest = {
+      {"lr_range_test_min_lr", K::Number, 1e-3},
+      {"lr_range_test_step_size", K::Steps, 2000},
+      {"lr_range_test_step_rate", K::Number, 1.0},
+      {"lr_range_test_staircase", K::Bool, 0},
+      {"last_batch_iteration", K::Iteration, -1},
+  };
+  static const std::vector<SchedulerParamSpec> oneCycle = {
+      {"cycle_min_lr", K::Number, std::nullopt},
+      {"cycle_max_lr", K::Number, std::nullopt},
+      {"decay_lr_rate", K::Number, 0.0},
+      {"cycle_first_step_size", K::Steps, 2000},
+      {"cycle_second_step_size", K::Steps, std::nullopt, true},
+      {"cycle_first_stair_count", K::Steps, 0},
+      {"cycle_second_stair_count", K::Steps, std::nullopt, true},
+      {"decay_step_size", K::Steps, 0},
+      {"cycle_momentum", K::Bool, 1},
+      {"cycle_min_mom", K::Number, 0.8},
+      {"cycle_max_mom", K::Number, 0.9},
+      {"decay_mom_rate", K::Number, 0.0},
+      {"last_batch_iteration", K::Iteration, -1},
+  };
+  static const std::vector<SchedulerParamSpec> warmup = {
+      {"warmup_min_lr", K::Number, 0.0},
+      {"warmup_max_lr", K::Number, 0.001},
+      {"warmup_num_steps", K::Steps, 1000},
+      {"warmup_type", K::WarmupType, std::nullopt},
+      {"last_batch_iteration", K::Iteration, -1},
+  };
+  static const std::vector<SchedulerParamSpec> warmupDecay = [] {
+    std::vector<SchedulerParamSpec> specs = warmup;
+    specs.insert(specs.begin(), {"total_num_steps", K::Steps, std::nullopt});
+    return specs;
+  }();
+  static const std::vector<SchedulerParamSpec> warmupCosine = {
+      {"total_num_steps", K::Steps, std::nullopt},
+      {"warmup_min_ratio", K::Number, 0.0},
+      {"warmup_num_steps", K::Steps, 1000},
+      {"cos_min_ratio", K::Number, 0.0001},
+      {"warmup_type", K::WarmupType, std::nullopt},
+      {"last_batch_iteration", K::Iteration, -1},
+  };
+  if (type == "LRRangeTest") return &rangeTest;
+  if (type == "OneCycle") return &oneCycle;
+  if (type == "WarmupLR") return &warmup;
+  if (type == "WarmupDecayLR") return &warmupDecay;
+  if (type == "WarmupCosineLR") return &warmupCosine;
+  return nullptr;
+}
+
 bool ConfigSection::reads(std::string_view key) const { return contains(readKeys, key); }
 bool ConfigSection::ignores(std::string_view key) const { return contains(ignoredKeys, key); }
 

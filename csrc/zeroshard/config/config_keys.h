@@ -3,6 +3,7 @@
 // Internal to config.cpp: the keys each object of a config may hold, and the message for a key
 // that is not one of them. Kept apart from the reader so that the tables read as a list.
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,6 +26,27 @@ const ConfigSection& configSection(std::string_view path);
 // Every section the reader descends into (tests/python/test_config.py holds each key to an
 // effect or a warning).
 const std::vector<ConfigSection>& configSections();
+
+// One parameter of a DeepSpeed scheduler type (deepspeed/runtime/lr_schedules.py: the keyword
+// arguments of the class "scheduler.type" names, which DeepSpeed calls with "scheduler.params").
+struct SchedulerParamSpec {
+  enum class Kind {
+    Number,      // a finite number >= 0
+    Steps,       // a whole number >= 0 (a step count or size)
+    Bool,        // true or false
+    WarmupType,  // "log" or "linear"
+    Iteration,   // last_batch_iteration: a whole number >= -1
+  };
+  std::string_view key;
+  Kind kind;
+  std::optional<double> defaultValue;  // none: required (or, with nullable, None)
+  bool nullable = false;               // null is DeepSpeed's None: "same as the first"
+};
+
+// The five types DeepSpeed implements, in its documentation's order.
+const std::vector<std::string_view>& schedulerTypes();
+// The parameters of `type`, or nullptr when it is not one of schedulerTypes().
+const std::vector<SchedulerParamSpec>* schedulerParams(std::string_view type);
 
 // Optimal string alignment distance: Levenshtein plus adjacent transpositions, so "stgae" is one
 // edit from "stage", as a person counts it.

@@ -6,5 +6,6 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::python::bindConfig(m);
   zeroshard::python::bindCommunicator(m);
   zeroshard::python::bindEngine(m);
+  zeroshard::python::bindParams(m);
   zeroshard::python::bindCheckpoint(m);
 }

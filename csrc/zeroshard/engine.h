@@ -128,6 +128,14 @@ class Engine {
   // Stage 3: make every parameter whole (blocking), and release them again.
   void gatherParameters();
   void reshardParameters();
+  // Writes whole values into trained parameters, by original name (engine_params.cpp): into
+  // this rank's fp32 master weights (its shard where they are sharded), the compute-dtype
+  // parameters (their shard at stage 3, and the whole buffer where it exists), cast from the
+  // fp32 value as after an optimizer step. Optimizer state is kept. Collective-free and
+  // blocking: every rank must pass the same values (e.g. after a broadcast) or the ranks'
+  // copies diverge. Everything is checked (names known, shapes equal, floating values) before
+  // anything is written. The zeroshard.deepspeed GatheredParameters(modifier_rank=r) write-back.
+  void setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values);
 
   // Checkpoints (checkpoint/engine_checkpoint.h; the format is in checkpoint/manifest.h). Both are
   // collective and blocking: every rank calls them between optimizer steps, with the same

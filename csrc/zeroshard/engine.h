@@ -131,7 +131,9 @@ class Engine {
   // Writes whole values into trained parameters, by original name (engine_params.cpp): into
   // this rank's fp32 master weights (its shard where they are sharded), the compute-dtype
   // parameters (their shard at stage 3, and the whole buffer where it exists), cast from the
-  // fp32 value as after an optimizer step. Optimizer state is kept. Collective-free and
+  // fp32 value as after an optimizer step. A value in the 16-bit compute dtype leaves the fp32
+  // master of each element where it equals the master's rounding (Note [write-back keeps the
+  // master] in engine_params.cpp). Optimizer state is kept. Collective-free and
   // blocking: every rank must pass the same values (e.g. after a broadcast) or the ranks'
   // copies diverge. Everything is checked (names known, shapes equal, floating values) before
   // anything is written. The zeroshard.deepspeed GatheredParameters(modifier_rank=r) write-back.

@@ -4,6 +4,7 @@
 // needed here).
 #include "zeroshard/engine.h"
 
+#include <ATen/ops/where.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
@@ -14,19 +15,25 @@
 namespace zeroshard {
 namespace {
 
-// Copies the part of `src` (flat, covering flat-buffer elements `srcRange`) that falls inside
-// `dstRange` into `dst` (flat, covering `dstRange`).
-void copyOverlap(const at::Tensor& dst, const ShardRange& dstRange, const at::Tensor& src, const ShardRange& srcRange) {
+// The elements of flat-buffer range `srcRange` that fall inside `dstRange`, as slices of a
+// flat `dst` covering dstRange and a flat `src` covering srcRange (undefined when none do).
+std::pair<at::Tensor, at::Tensor> overlap(const at::Tensor& dst, const ShardRange& dstRange, const at::Tensor& src,
+                                          const ShardRange& srcRange) {
   const int64_t begin = std::max(dstRange.begin, srcRange.begin);
   const int64_t end = std::min(dstRange.end, srcRange.end);
-  if (begin >= end) return;
-  dst.narrow(0, begin - dstRange.begin, end - begin).copy_(src.narrow(0, begin - srcRange.begin, end - begin));
+  if (begin >= end) return {};
+  return {dst.narrow(0, begin - dstRange.begin, end - begin), src.narrow(0, begin - srcRange.begin, end - begin)};
+}
+
+void copyOverlap(const at::Tensor& dst, const ShardRange& dstRange, const at::Tensor& src, const ShardRange& srcRange) {
+  const auto [to, from] = overlap(dst, dstRange, src, srcRange);
+  if (to.defined()) to.copy_(from);
 }
 
 struct ParamWrite {
   size_t bucket;
   size_t param;
-  at::Tensor value;  // flat fp32 on the bucket's device
+  at::Tensor value;  // flat, as given (fp32 or the compute dtype), on the bucket's device
 };
 
 } // namespace
@@ -54,7 +61,8 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     TORCH_CHECK(at::isFloatingType(value.scalar_type()), "zeroshard: set_parameters: '", name,
                 "' needs a floating-point value, got ", value.scalar_type());
     const at::Device device = buckets_[b].flatParams().device();
-    writes.push_back({b, i, value.detach().to(device, at::kFloat).reshape({-1})});
+    const auto dtype = value.scalar_type() == computeDtype_ ? computeDtype_ : at::kFloat;
+    writes.push_back({b, i, value.detach().to(device, dtype).reshape({-1})});
   }
 
   const int r = comm_.rank();
@@ -66,7 +74,18 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     // training they are the parameters' own storage, so this also writes the parameters.
     const ShardRange masterRange =
         plan_.optimizerSharded() ? bucket.layout().shardRange(r) : ShardRange{0, bucket.layout().paddedNumel()};
-    copyOverlap(masters_->of(bucket, w.bucket), masterRange, w.value, param);
+    const auto [master, value] = overlap(masters_->of(bucket, w.bucket), masterRange, w.value, param);
+    if (master.defined()) {
+      if (value.scalar_type() != at::kFloat) {
+        // Note [write-back keeps the master]: a 16-bit value carries no more than its dtype's
+        // precision. Where it equals the master's rounding (an element nobody changed, e.g. a
+        // parameter only read inside GatheredParameters), the fp32 master is kept as it is
+        // rather than rounded; elsewhere it becomes the value.
+        master.copy_(at::where(master.to(value.scalar_type()).eq(value), master, value.to(at::kFloat)));
+      } else {
+        master.copy_(value);
+      }
+    }
     // Stage 3 keeps the compute-dtype shard in its own storage; it is what the next gather reads.
     if (plan_.paramsSharded()) copyOverlap(bucket.paramShard(), bucket.layout().shardRange(r), w.value, param);
     // The whole compute-dtype buffer wherever it exists now: always below stage 3; at stage 3

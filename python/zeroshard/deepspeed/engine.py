@@ -1,0 +1,254 @@
+"""DeepSpeedEngine: DeepSpeed's engine API (deepspeed/runtime/engine.py) over a zeroshard Engine.
+
+It is an nn.Module holding the model as `module`, as DeepSpeed's is (so `engine.parameters()`
+and `engine.state_dict()` carry the "module." prefix, and attributes it lacks are looked up on
+the model). The counters are DeepSpeed's: `micro_steps` counts step() calls, `global_steps`
+and `global_samples` rise at each accumulation boundary (also one that fp16 skipped, as in
+DeepSpeed), and they travel in checkpoints.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from zeroshard._warnings import warn_at_caller
+
+# Where the drop-in keeps DeepSpeed's counters inside zeroshard's client state.
+_STATE_KEY = "zeroshard.deepspeed"
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    def __init__(self, engine, config, group, training_dataloader=None):
+        super().__init__()
+        self.module = engine.module
+        self._engine = engine  # zeroshard.Engine (not a Module: a plain attribute)
+        self._group = group
+        self.config = config  # the config dict, as DeepSpeed's engine.config
+        self.optimizer = getattr(engine, "optimizer", None)
+        self.lr_scheduler = getattr(engine, "lr_scheduler", None)
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.global_rank = dist.get_rank()
+        self.world_size = self.dp_world_size = dist.get_world_size(group)
+        self._step_applied = False
+        self._gathered_depth = 0
+        self._gathered = None
+        # The engine's parameter order, which every rank shares (GatheredParameters broadcasts in it).
+        self._param_order = {id(p): i for i, p in enumerate(self.module.parameters())}
+
+    def __getattr__(self, name):
+        # As DeepSpeed: what the engine does not have, the model may.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and not name.startswith("_"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
+    @property
+    def device(self):
+        return next(self.module.parameters()).device
+
+    @property
+    def skipped_steps(self):
+        return self._engine.skipped_steps
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """Backpropagates loss / gradient_accumulation_steps (loss itself with scale_wrt_gas=False)
+        and reduces the gradients; returns the loss so scaled, as DeepSpeed does."""
+        if retain_graph:
+            raise NotImplementedError("zeroshard.deepspeed: engine.backward(retain_graph=True) is not supported")
+        gas = self.gradient_accumulation_steps()
+        # The core always divides by the accumulation steps.
+        self._engine.backward(loss if scale_wrt_gas or gas == 1 else loss * gas)
+        return loss / gas if scale_wrt_gas else loss
+
+    def step(self, lr_kwargs=None):
+        """Call after every backward: at the accumulation boundary the optimizer steps, then the
+        learning-rate schedule."""
+        if lr_kwargs is not None:
+            raise NotImplementedError("zeroshard.deepspeed: engine.step(lr_kwargs=...) is not supported")
+        boundary = self.is_gradient_accumulation_boundary()
+        stepped = self._engine.step()
+        self._step_applied = bool(stepped)
+        if boundary:
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+
+    def was_step_applied(self):
+        return self._step_applied
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to do: the engine zeroes the gradients after each optimizer step (and holds
+        them in its own flat buffers between micro-batches)."""
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train_batch_size(self):
+        return self._engine.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._engine.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self):
+        return self._engine.gradient_accumulation_steps
+
+    def zero_optimization_stage(self):
+        return self._engine.stage
+
+    def zero_optimization(self):
+        return self._engine.stage > 0
+
+    def zero_optimization_partition_gradients(self):
+        return self._engine.stage >= 2
+
+    def zero_optimization_partition_weights(self):
+        return self._engine.stage >= 3
+
+    def fp16_enabled(self):
+        return self._engine.config.fp16_enabled
+
+    def bfloat16_enabled(self):
+        return self._engine.config.bf16_enabled
+
+    def gradient_clipping(self):
+        return self.config.get("gradient_clipping", 0.0)
+
+    def get_global_grad_norm(self):
+        return self._engine.last_grad_norm
+
+    def get_lr(self):
+        """Each param group's learning rate, as the next optimizer step will use it."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self):
+        return [group["betas"] for group in self.optimizer.param_groups]
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """Saves a sharded checkpoint to save_dir/tag (default "global_step<global_steps>"); every
+        rank calls it between optimizer steps. Returns True, as DeepSpeed does."""
+        if not save_dir:
+            raise ValueError(f"zeroshard.deepspeed: save_dir must be a non-empty path, got {save_dir!r}")
+        if exclude_frozen_parameters:
+            raise NotImplementedError("zeroshard.deepspeed: save_checkpoint(exclude_frozen_parameters=True) is not "
+                                      "supported; frozen parameters are saved with the module state")
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        state = dict(client_state or {})
+        state[_STATE_KEY] = {"global_steps": self.global_steps, "global_samples": self.global_samples}
+        latest = os.path.join(os.fspath(save_dir), "latest")
+        previous = _read_bytes(latest) if not save_latest and self.global_rank == 0 else None
+        self._engine.save_checkpoint(save_dir, tag=tag, client_state=state)
+        if not save_latest:
+            # zeroshard always points `latest` at what it published; put back what was there.
+            if self.global_rank == 0:
+                _restore_bytes(latest, previous)
+            dist.barrier(self._group)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
+        Returns (path, client_state), or (None, None) with a warning when there is no `latest`
+        to follow, as DeepSpeed does. load_module_only: the weights only (no optimizer,
+        schedule or counters)."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("zeroshard.deepspeed: load_checkpoint(custom_load_fn=...) is not supported")
+        if tag is None and not os.path.isfile(os.path.join(os.fspath(load_dir), "latest")):
+            warn_at_caller(f"zeroshard.deepspeed: no checkpoint to load: {os.path.join(load_dir, 'latest')} does not "
+                           "exist (pass a tag to load a particular one)")
+            return None, None
+        path, client_state = self._engine.load_checkpoint(
+            load_dir, tag=None if tag is None else str(tag),
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+        counters = client_state.pop(_STATE_KEY, None) if isinstance(client_state, dict) else None
+        if not load_module_only:
+            if counters is None:  # saved by plain zeroshard: DeepSpeed's own fallback for samples
+                counters = {"global_steps": self._engine.global_steps,
+                            "global_samples": self._engine.global_steps * self.train_batch_size()}
+            self.global_steps = counters["global_steps"]
+            self.global_samples = counters["global_samples"]
+        return path, client_state
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Rank 0 writes the model's weights in the compute dtype under its state_dict names (a
+        torch file for .bin names, safetensors for .safetensors). Returns True, or False with a
+        warning at stage 3 without stage3_gather_16bit_weights_on_model_save. Every rank calls it."""
+        if exclude_frozen_parameters:
+            raise NotImplementedError("zeroshard.deepspeed: save_16bit_model(exclude_frozen_parameters=True) is not "
+                                      "supported")
+        return self._engine.save_16bit_model(save_dir, save_filename=save_filename)
+
+    def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
+        return self.save_16bit_model(save_dir, save_filename)
+
+    # GatheredParameters (zero.py) calls these.
+    def _enter_gathered(self):
+        if self._gathered_depth == 0:
+            self._gathered = self._engine.gathered_parameters()
+            self._gathered.__enter__()
+        self._gathered_depth += 1
+
+    def _exit_gathered(self):
+        self._gathered_depth -= 1
+        if self._gathered_depth == 0:
+            gathered, self._gathered = self._gathered, None
+            gathered.__exit__(None, None, None)
+
+    def _write_back(self, named, modifier_rank):
+        if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < self.world_size:
+            raise ValueError(f"zeroshard.deepspeed: GatheredParameters modifier_rank={modifier_rank!r} is not a rank "
+                             f"of this engine's group (0..{self.world_size - 1})")
+        named = sorted(named, key=lambda item: self._param_order[id(item[1])])
+        src = dist.get_global_rank(self._group, modifier_rank)
+        _broadcast_coalesced([p.data for _, p in named], src, self._group)
+        trained = [(name, p.data) for name, p in named if name is not None]
+        if trained:
+            self._engine.set_parameters(trained)
+
+
+def _broadcast_coalesced(tensors, src, group):
+    """One broadcast per dtype and device, through a flat buffer."""
+    by_kind = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _restore_bytes(path, text):
+    # Written aside and renamed over, so `latest` is never seen half written.
+    if text is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    staging = path + ".restore"
+    with open(staging, "wb") as f:
+        f.write(text)
+    os.replace(staging, path)

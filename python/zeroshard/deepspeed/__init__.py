@@ -17,7 +17,7 @@ from zeroshard.deepspeed.config import (drop_config_optimizer, keep_every_checkp
 from zeroshard.deepspeed.dataloader import DeepSpeedDataLoader, RepeatingLoader
 from zeroshard.deepspeed.distributed import add_config_arguments, init_distributed
 from zeroshard.deepspeed.engine import DeepSpeedEngine
-from zeroshard.deepspeed.optimizer import param_groups_from, take_over
+from zeroshard.deepspeed.optimizer import move_scheduler, param_groups_from, take_over
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedDataLoader", "RepeatingLoader", "add_config_arguments", "comm",
            "init_distributed", "initialize", "zero"]
@@ -44,14 +44,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_config, _source = resolve_config(args, config, config_params)
     drop_last = take_dataloader_drop_last(ds_config)
     keep_every_checkpoint(ds_config)
+    client_optimizer = None
     if optimizer is not None:
-        groups = take_over(optimizer, model, model_parameters)
+        client_optimizer, groups = take_over(optimizer, model, model_parameters)
         drop_config_optimizer(ds_config)
     else:
         groups = param_groups_from(model_parameters)
     _float_trained_parameters(model, ds_config)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine = zeroshard.initialize(model, ds_config, param_groups=groups, lr_scheduler=lr_scheduler)
+    move_scheduler(engine.lr_scheduler, client_optimizer, engine.optimizer)
     group = dist.group.WORLD
     if hasattr(args, "local_rank"):
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -2,8 +2,11 @@
 (deepspeed/runtime/dataloader.py): micro batches of train_micro_batch_size_per_gpu, this rank's
 part of the data through a DistributedSampler (shuffled, seed 0, and as in DeepSpeed
 set_epoch is left to the script: every pass has the same order unless it calls
-`loader.data_sampler.set_epoch(epoch)`), drop_last from the config's dataloader_drop_last, and
-two worker processes."""
+`loader.data_sampler.set_epoch(epoch)`) and drop_last from the config's dataloader_drop_last.
+
+Unlike DeepSpeed's (two worker processes), it loads in the training process unless given
+num_local_io_workers: workers cannot start from a daemonic process (a launcher's, a test
+harness's), and the order of the batches does not depend on them."""
 
 import math
 
@@ -21,7 +24,7 @@ class DeepSpeedDataLoader:
         self.batch_size = batch_size
         self.collate_fn = collate_fn
         self.dataloader_drop_last = drop_last
-        self.num_local_io_workers = 2 if num_local_io_workers is None else num_local_io_workers
+        self.num_local_io_workers = num_local_io_workers or 0
         self.data_sampler = data_sampler or DistributedSampler(dataset, num_replicas=world_size, rank=rank)
         # Pinned host memory speeds copies to a GPU and means nothing without one.
         self.pin_memory = torch.cuda.is_available()

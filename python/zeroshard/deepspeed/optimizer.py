@@ -65,8 +65,8 @@ def _normalized(hyper):
 
 
 def take_over(optimizer, model, model_parameters):
-    """The param groups of a client optimizer (an object, or a callable DeepSpeed would call with
-    the parameters), each with its lr, betas, eps and weight_decay."""
+    """(the client optimizer, its param groups each with lr, betas, eps and weight_decay); a
+    callable is called with the parameters first, as DeepSpeed does."""
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         params = list(model.parameters()) if model_parameters is None else list(model_parameters)
         optimizer = optimizer(params)
@@ -91,4 +91,31 @@ def take_over(optimizer, model, model_parameters):
         raise ValueError(f"zeroshard.deepspeed.initialize: the {kind.__name__} given has already stepped (it holds "
                          "state); zeroshard starts AdamW from fresh state, so pass an optimizer that has not stepped "
                          "(or load a checkpoint with engine.load_checkpoint)")
-    return [g for g in groups if g["params"]] or groups[:1]
+    return optimizer, [g for g in groups if g["params"]] or groups[:1]
+
+
+def move_scheduler(scheduler, client_optimizer, engine_optimizer):
+    """A scheduler the script built on its own optimizer before initialize() (the usual
+    `get_linear_schedule_with_warmup(optimizer, ...)`) drives engine.optimizer instead: in
+    DeepSpeed the client optimizer's param_groups are the engine's, here they are copies."""
+    if scheduler is None or getattr(scheduler, "optimizer", None) is not client_optimizer:
+        return
+    if len(client_optimizer.param_groups) != len(engine_optimizer.param_groups):
+        raise ValueError("zeroshard.deepspeed.initialize: the lr_scheduler was built on an optimizer with "
+                         f"{len(client_optimizer.param_groups)} param groups, of which "
+                         f"{len(engine_optimizer.param_groups)} have trainable parameters; drop the groups "
+                         "without any before building the scheduler")
+    scheduler.optimizer = engine_optimizer
+    # torch schedulers check at their first step that the optimizer stepped first, through a
+    # wrapper they put on the step of the optimizer they were built on; engine.step() calls
+    # engine.optimizer.step() at each boundary, so it gets the same marking.
+    step = engine_optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    def marked_step(*args, **kwargs):
+        engine_optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    marked_step._wrapped_by_lr_sched = True
+    engine_optimizer.step = marked_step

@@ -11,16 +11,16 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.deepspeed import comm, zero
+from zeroshard.deepspeed import comm, utils, zero
 from zeroshard.deepspeed.config import (drop_config_optimizer, keep_every_checkpoint, resolve_config,
                                         take_dataloader_drop_last)
-from zeroshard.deepspeed.dataloader import DeepSpeedDataLoader, RepeatingLoader
+from zeroshard.deepspeed.dataloader import DeepSpeedDataLoader
 from zeroshard.deepspeed.distributed import add_config_arguments, init_distributed
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.optimizer import move_scheduler, param_groups_from, take_over
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedDataLoader", "RepeatingLoader", "add_config_arguments", "comm",
-           "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "DeepSpeedDataLoader", "add_config_arguments", "comm", "init_distributed",
+           "initialize", "utils", "zero"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

@@ -14,6 +14,7 @@ differs by more than --tolerance.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -99,9 +100,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args()
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("deepspeed") is None:
         raise SystemExit("DeepSpeed is not installed (pip install deepspeed); it runs on CPU with DS_ACCELERATOR=cpu")
     summary = []
     with tempfile.TemporaryDirectory(prefix="zeroshard-ds-parity-") as directory:

@@ -60,6 +60,7 @@ class Pickle {
   void persistentId() { out_ += 'Q'; }  // BINPERSID
   void newFalse() { out_ += '\x89'; }
   void setItems() { out_ += 'u'; }
+  void emptyDict() { out_ += '}'; }
   void orderedDict() {
     global("collections", "OrderedDict");
     emptyTuple();
@@ -84,7 +85,9 @@ const char kEmptyRecord = 0;  // a valid pointer for records of no bytes
 std::string torchStateDictPickle(const std::vector<TensorEntry>& records,
                                  const std::vector<std::pair<std::string, size_t>>& dict) {
   Pickle p;
-  p.orderedDict();
+  // A plain dict (ordered, as every dict since Python 3.7), not the OrderedDict of a
+  // state_dict(): torch's C++ unpickler (torch::pickle_load) reads an OrderedDict as None.
+  p.emptyDict();
   p.mark();
   for (const auto& [name, index] : dict) {
     TORCH_CHECK(index < records.size(), "zeroshard: '", name, "' refers to record ", index, " of ", records.size());
@@ -116,7 +119,7 @@ std::string torchStateDictPickle(const std::vector<TensorEntry>& records,
     for (int64_t s : strides) p.integer(s);
     p.tuple();
     p.newFalse();
-    p.orderedDict();
+    p.orderedDict();  // backward hooks: none
     p.tuple();
     p.reduce();
   }

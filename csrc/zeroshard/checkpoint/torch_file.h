@@ -2,7 +2,8 @@
 // tensor's storage by key; the bytes of storage <key> are the record data/<key>), written record
 // by record: each tensor's bytes go to the file as they arrive and the pickle, which only
 // refers to them, comes last. The result is what torch.load(path, weights_only=True) reads as a
-// collections.OrderedDict of name -> CPU tensor, as torch.save(model.state_dict()) writes it.
+// dict of name -> CPU tensor in the dict's order, as torch.save(dict(model.state_dict())) writes
+// it; torch::pickle_load reads it from C++.
 //
 // Note [no storage order record]: torch.save also writes ".format_version" = 1, which promises
 // that the records lie in the order the pickle first refers to them, so that torch.load (on the
@@ -61,7 +62,7 @@ class TorchFileWriter {
   std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip_;
 };
 
-// The pickle (protocol 2) of the OrderedDict `dict` names, each a tensor whose storage is the
+// The pickle (protocol 2) of the dict `dict` names, each a tensor whose storage is the
 // record data/<index> of `records` (exposed for the tests).
 std::string torchStateDictPickle(const std::vector<TensorEntry>& records,
                                  const std::vector<std::pair<std::string, size_t>>& dict);

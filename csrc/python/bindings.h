@@ -15,6 +15,7 @@ void bindConfig(pybind11::module_& m);
 void bindCommunicator(pybind11::module_& m);
 void bindEngine(pybind11::module_& m);
 void bindCheckpoint(pybind11::module_& m);
+void bindExport(pybind11::module_& m);
 // After bindEngine: adds the parameter-writing methods to its Engine class.
 void bindParams(pybind11::module_& m);
 

@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::python::bindEngine(m);
   zeroshard::python::bindParams(m);
   zeroshard::python::bindCheckpoint(m);
+  zeroshard::python::bindExport(m);
 }

@@ -14,8 +14,9 @@ def get_logger():
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
         # The root logger has no handler here; not propagating avoids logging's last-resort
         # stderr copy of every line.
         logger.propagate = False
+    if logger.level == logging.NOTSET:  # the application did not choose: information lines show
+        logger.setLevel(logging.INFO)
     return logger

@@ -187,10 +187,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """Rank 0 writes the model's weights in the compute dtype under its state_dict names (a
         torch file for .bin names, safetensors for .safetensors). Returns True, or False with a
         warning at stage 3 without stage3_gather_16bit_weights_on_model_save. Every rank calls it."""
-        if exclude_frozen_parameters:
-            raise NotImplementedError("zeroshard.deepspeed: save_16bit_model(exclude_frozen_parameters=True) is not "
-                                      "supported")
-        return self._engine.save_16bit_model(save_dir, save_filename=save_filename)
+        return self._engine.save_16bit_model(save_dir, save_filename=save_filename,
+                                             exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
         return self.save_16bit_model(save_dir, save_filename)

@@ -112,6 +112,25 @@ def dataloader_and_checkpoints(rank, world, directory):
         warnings.simplefilter("always")
         out["empty"] = engine.load_checkpoint(os.path.join(directory, "nothing here"))
     out["empty warnings"] = [str(w.message) for w in caught]
+    out["config schedule"] = config_schedule_round_trip(os.path.join(directory, "schedule"))
+    return out
+
+
+def config_schedule_round_trip(directory):
+    """The config's WarmupDecayLR through a checkpoint: saved after 2 steps, resumed in a fresh engine."""
+    batches = [TokenDataset(4 * MICRO * GAS, seed=dist.get_rank())[i * MICRO:(i + 1) * MICRO] for i in range(4 * GAS)]
+    torch.manual_seed(0)
+    engine, _, _, scheduler = deepspeed.initialize(model=LanguageModel(), config=ds_config(2))
+    out = {"before": engine.get_lr(), "scheduler": type(scheduler).__name__}
+    run_micro_steps(engine, batches[:2 * GAS])
+    engine.save_checkpoint(directory)
+    out["at save"] = engine.get_lr()
+    out["trained"] = run_micro_steps(engine, batches[2 * GAS:])
+    torch.manual_seed(1)
+    engine, *_ = deepspeed.initialize(model=LanguageModel(), config=ds_config(2))
+    engine.load_checkpoint(directory)
+    out["at load"], out["global_steps"] = engine.get_lr(), engine.global_steps
+    out["resumed"] = run_micro_steps(engine, batches[2 * GAS:])
     return out
 
 

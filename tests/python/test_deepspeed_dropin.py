@@ -207,6 +207,19 @@ def test_a_checkpoint_resumes_with_client_state_counters_lr_and_schedule(behavio
         assert any("no checkpoint to load" in w for w in out["empty warnings"])
 
 
+def test_the_config_schedule_resumes_from_a_checkpoint_where_it_was(behaviours):
+    for out in behaviours:
+        schedule = out["config schedule"]
+        assert schedule["scheduler"] != "NoneType"  # initialize returns the config's schedule
+        assert schedule["before"] == pytest.approx([warmup_decay_lr(0)])
+        assert schedule["at save"] == schedule["at load"] == pytest.approx([warmup_decay_lr(2)])
+        assert schedule["global_steps"] == 2
+        # The same lrs (warmup end, then decay) and losses as the run that went on.
+        lrs = [lr for (lr,) in schedule["trained"][1]]
+        assert lrs == pytest.approx([warmup_decay_lr(2 + m // GAS) for m in range(2 * GAS)])
+        assert schedule["resumed"] == schedule["trained"]
+
+
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory):
     return run_ranks(gathered_parameters_and_16bit_model, WORLD, str(tmp_path_factory.mktemp("gathered")), timeout=120)

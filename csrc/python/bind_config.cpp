@@ -5,6 +5,9 @@
 
 #include <pybind11/stl.h>
 
+#include <nlohmann/json.hpp>
+
+#include "zeroshard/config/auto_values.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/config/config_keys.h"
 #include "zeroshard/plan/sharding_plan.h"
@@ -91,7 +94,16 @@ void bindConfig(py::module_& m) {
       .def_readonly("stage3_prefetch_bucket_size", &ZeroConfig::stage3PrefetchBucketSize)
       .def_readonly("stage3_param_persistence_threshold",
                     &ZeroConfig::stage3ParamPersistenceThreshold)
-      .def_readonly("stage3_max_live_parameters", &ZeroConfig::stage3MaxLiveParameters);
+      .def_readonly("stage3_max_live_parameters", &ZeroConfig::stage3MaxLiveParameters)
+      .def_readonly("stage3_gather_16bit_weights_on_model_save", &ZeroConfig::gather16bitWeightsOnModelSave);
+
+  py::class_<SchedulerConfig>(m, "SchedulerConfig", "The \"scheduler\" section (read-only).")
+      .def_readonly("type", &SchedulerConfig::type, "\"\" when there is no schedule.")
+      .def_readonly("params", &SchedulerConfig::params, "The params as written (flags as 1.0/0.0).")
+      .def_readonly("warmup_type", &SchedulerConfig::warmupType)
+      .def_property_readonly("enabled", &SchedulerConfig::enabled)
+      .def("param", &SchedulerConfig::param, py::arg("key"),
+           "The written value, else DeepSpeed's default (KeyError-like IndexError when neither).");
 
   py::class_<ZeroshardExtras>(m, "ZeroshardExtras", "The \"zeroshard\" section (read-only).")
       .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds)
@@ -102,16 +114,42 @@ void bindConfig(py::module_& m) {
       .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
 
   m.def(
+      "_resolve_auto",
+      [](const Config& config, const std::map<std::string, std::string>& given,
+         std::optional<int64_t> hiddenSize, const std::string& hiddenSizeSource, int64_t worldSize) {
+        AutoResolution r = resolveAuto(config, AutoInputs{given, hiddenSize, hiddenSizeSource, worldSize});
+        return py::make_tuple(std::move(r.config), r.summary);
+      },
+      py::arg("config"), py::arg("given"), py::arg("hidden_size"), py::arg("hidden_size_source"),
+      py::arg("world_size"),
+      "(resolved Config, summary line): config/auto_values.h. `given` maps dotted paths to JSON text.");
+  m.def(
+      "_without_scheduler",
+      [](Config config) {
+        // For a client scheduler, which replaces the config's (DeepSpeed's rule).
+        config.scheduler = SchedulerConfig{};
+        if (!config.text.empty()) {
+          auto json = nlohmann::ordered_json::parse(config.text);
+          json.erase("scheduler");
+          config.text = json.dump(2);
+        }
+        return config;
+      },
+      py::arg("config"));
+  m.def("_hidden_size_from_shapes", &hiddenSizeFromShapes, py::arg("shapes"));
+
+  m.def(
       "_config_keys",
       []() {
         py::list keys;
         for (const auto& section : detail::configSections()) {
           for (auto key : section.readKeys) keys.append(py::make_tuple(section.path, key, "read"));
           for (auto key : section.ignoredKeys) keys.append(py::make_tuple(section.path, key, "ignored"));
+          for (auto key : section.inertKeys) keys.append(py::make_tuple(section.path, key, "inert"));
         }
         return keys;
       },
-      "(section path, key, \"read\" or \"ignored\") for every key the config reader accepts.");
+      "(section path, key, \"read\", \"ignored\" or \"inert\") for every key the config reader accepts.");
 
   const auto internal = py::return_value_policy::reference_internal;
   py::class_<Config>(m, "Config",
@@ -140,6 +178,11 @@ void bindConfig(py::module_& m) {
       .def_property_readonly("optimizer", part(&Config::optimizer), internal)
       .def_property_readonly("zero_optimization", part(&Config::zero), internal)
       .def_property_readonly("zeroshard", part(&Config::extras), internal)
+      .def_property_readonly("scheduler", part(&Config::scheduler), internal)
+      .def_readonly("steps_per_print", &Config::stepsPerPrint)
+      .def_readonly("wall_clock_breakdown", &Config::wallClockBreakdown)
+      .def_readonly("auto_keys", &Config::autoKeys,
+                    "Dotted paths of the keys written \"auto\", in the file's order.")
       .def_readonly("warnings", &Config::warnings,
                     "One message per DeepSpeed key that zeroshard ignores.")
       .def("batch_sizes", &batchSizes, py::arg("world_size"),
@@ -153,7 +196,10 @@ void bindConfig(py::module_& m) {
       // Pickling keeps the source and warnings, so that a Config sent to spawned ranks is the
       // same Config.
       .def(py::pickle(
-          [](const Config& c) { return py::make_tuple(c.toJsonString(), c.source, c.warnings); },
+          // The text as read when there is one, so that "auto" keys survive the trip.
+          [](const Config& c) {
+            return py::make_tuple(c.text.empty() ? c.toJsonString() : c.text, c.source, c.warnings);
+          },
           [](const py::tuple& state) {
             Config c = Config::fromJsonString(state[0].cast<std::string>(),
                                               state[1].cast<std::string>());

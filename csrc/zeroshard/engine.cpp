@@ -6,12 +6,14 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/config/auto_values.h"
 #include "zeroshard/grad/grad_reducer.h"
 #include "zeroshard/grad/grad_storage.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 
 namespace zeroshard {
 namespace {
@@ -26,11 +28,29 @@ AdamWHyper hyperOf(const Config& config, const ParamGroupSpec& group) {
                     group.eps.value_or(o.eps), group.weightDecay.value_or(o.weightDecay)};
 }
 
+// "auto" left in the config (a C++ program reading a Hugging Face-style config) is resolved
+// here, with the hidden size read from the weights; Python's initialize resolves it before,
+// from model.config when the model has one. Rank 0 prints what each "auto" became.
+Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups, const c10d::ProcessGroup& group) {
+  if (config.autoKeys.empty()) return config;
+  AutoInputs inputs;
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& g : groups) {
+    for (const auto& p : g.params) shapes.push_back(p.sizes().vec());
+  }
+  inputs.hiddenSize = hiddenSizeFromShapes(shapes);
+  inputs.hiddenSizeSource = "the weights (the most common second dimension of the 2-D parameters)";
+  inputs.worldSize = group.getSize();
+  AutoResolution resolved = resolveAuto(config, inputs);
+  if (group.getRank() == 0) std::printf("zeroshard: %s\n", resolved.summary.c_str());
+  return std::move(resolved.config);
+}
+
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
                Config config, std::vector<UnitSpec> units)
-    : config_(std::move(config)),
+    : config_(withAutoResolved(std::move(config), groups, *processGroup)),
       comm_(std::move(processGroup), timeoutOf(config_)),
       plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(), deviceOfParamGroups(groups))),
       stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,

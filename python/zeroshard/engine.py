@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeroshard import _C, stage3
+from zeroshard import _C, auto as _auto, stage3
 from zeroshard._warnings import warn_at_caller
+from zeroshard.optimizer_view import EngineOptimizer
 
 def _load_config(config):
     if isinstance(config, _C.Config):
@@ -79,12 +80,17 @@ def _param_groups(model, param_groups):
 class Engine:
     """Runs the model and its ZeRO-sharded training step (see zeroshard.initialize)."""
 
-    def __init__(self, module, core, config, hooks=(), trained=None):
+    def __init__(self, module, core, config, hooks=(), trained=None, optimizer=None, lr_scheduler=None):
         self.module = module
         self.config = config
         self._core = core
         self._hooks = list(hooks)
         self._trained = trained or {}  # id(parameter) -> its name, for the trained parameters
+        self.optimizer = optimizer
+        # A client scheduler (stepped here after each optimizer step taken), else the config's
+        # (stepped in C++), else None.
+        self.lr_scheduler = lr_scheduler
+        self._client_scheduler = lr_scheduler is not None
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -98,8 +104,20 @@ class Engine:
     def step(self):
         """Call after every backward; steps the optimizer at the accumulation boundary.
 
-        Returns True when the optimizer stepped."""
-        return self._core.step()
+        Returns True when the optimizer stepped. A scheduler passed to initialize steps right
+        after, unless fp16 skipped the step for an overflow (as DeepSpeed does)."""
+        boundary = self._core.is_gradient_accumulation_boundary
+        if boundary and self.optimizer is not None:
+            self.optimizer.push()
+        skipped = self._core.skipped_steps
+        stepped = self._core.step()
+        if stepped and self.optimizer is not None:
+            self.optimizer.pull()  # what the step used, and a config schedule's next lr
+            self.optimizer._stepped()
+            if self._client_scheduler and self._core.skipped_steps == skipped:
+                self.lr_scheduler.step()
+                self.optimizer.push()
+        return stepped
 
     @contextlib.contextmanager
     def gathered_parameters(self):
@@ -163,8 +181,11 @@ class Engine:
         The checkpoint becomes visible (and `latest` points at it) only once complete, and
         zeroshard.checkpoint.keep_last older ones are kept. client_state (numbers, strings,
         containers and tensors: what torch.load(weights_only=True) reads) is saved from rank 0.
-        Returns the checkpoint's path. On any rank's error it fails on every rank."""
+        Returns the checkpoint's path. On any rank's error it fails on every rank. A scheduler
+        passed to initialize is saved with it (its state_dict)."""
         blob, error = b"", ""
+        if self._client_scheduler:
+            client_state = {_CLIENT_STATE: client_state, _CLIENT_SCHEDULER: self.lr_scheduler.state_dict()}
         if client_state is not None and self._core.rank == 0:
             try:
                 blob = _client_state_bytes(client_state)
@@ -173,28 +194,39 @@ class Engine:
         self._refresh_module_state()
         return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True):
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
 
         Every rank calls it between optimizer steps; each reads only its own slices. Returns
         (path, client_state), as DeepSpeed does; on any error nothing changes on any rank.
         load_optimizer_states=False takes only the weights (and buffers): AdamW state, step
-        count, lr and loss scale stay this engine's, e.g. to fine-tune from a checkpoint."""
+        count, lr and loss scale stay this engine's, e.g. to fine-tune from a checkpoint.
+        load_lr_scheduler_states=False keeps this engine's scheduler as it is."""
         client_state = {}
+        scheduler_state = None
 
         def unpickle(blob):
             # Called by the load once it has read the client state, before it changes anything:
             # an unreadable one fails the load on every rank.
-            nonlocal client_state
+            nonlocal client_state, scheduler_state
             try:
                 client_state = torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
             except Exception as e:
                 return f"client_state cannot be read: {type(e).__name__}: {e}"
+            if isinstance(client_state, dict) and _CLIENT_SCHEDULER in client_state:
+                scheduler_state = client_state[_CLIENT_SCHEDULER]
+                client_state = client_state[_CLIENT_STATE]
+                if client_state is None:
+                    client_state = {}
             return None
 
         self._refresh_module_state()
         path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", "", load_optimizer_states,
                                                        unpickle)
+        if self.optimizer is not None:
+            self.optimizer.pull()
+        if self._client_scheduler and load_lr_scheduler_states and scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(scheduler_state)
         return path, client_state
 
     def _refresh_module_state(self):
@@ -204,6 +236,8 @@ class Engine:
 
     def set_lr(self, lr, group=-1):
         self._core.set_lr(lr, group)
+        if self.optimizer is not None:
+            self.optimizer.pull()
 
     def get_lr(self, group=0):
         return self._core.get_lr(group)
@@ -217,7 +251,7 @@ class Engine:
         return getattr(self._core, name)
 
 
-def initialize(model, config, process_group=None, param_groups=None):
+def initialize(model, config, process_group=None, param_groups=None, auto=None, lr_scheduler=None):
     """Wraps `model` for ZeRO training; returns an Engine.
 
     config: a path to a DeepSpeed-style JSON file, a dict, or a zeroshard.Config.
@@ -225,10 +259,21 @@ def initialize(model, config, process_group=None, param_groups=None):
       initialized from the torchrun environment if torch.distributed is not yet).
     param_groups: like a torch optimizer's, e.g. [{"params": decay}, {"params": no_decay,
       "weight_decay": 0.0}]; keys lr, weight_decay, betas, eps override the config.
+    auto: values for the keys the config writes as "auto", by dotted path, e.g.
+      {"train_micro_batch_size_per_gpu": 4, "optimizer.params.lr": 2e-5}; the rest are derived
+      (docs/config.md, "auto") or are one error naming them.
+    lr_scheduler: a torch scheduler of engine.optimizer, or a callable taking engine.optimizer and
+      returning one; stepped after every optimizer step taken. It replaces the config's
+      `scheduler`, as in DeepSpeed.
     """
     cfg = _load_config(config)
     if process_group is None:
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
+    cfg = _auto.resolve(cfg, model, auto, dist.get_world_size(process_group), dist.get_rank(process_group))
+    if lr_scheduler is not None and cfg.scheduler.enabled:
+        warn_at_caller(f"zeroshard.initialize: the config's scheduler ({cfg.scheduler.type}) is not used: the "
+                       "lr_scheduler passed to initialize replaces it, as in DeepSpeed")
+        cfg = _C._without_scheduler(cfg)
     groups = _param_groups(model, param_groups)
     hooks = []
     if cfg.bf16_enabled or cfg.fp16_enabled:
@@ -244,7 +289,18 @@ def initialize(model, config, process_group=None, param_groups=None):
         hooks += stage3.install_hooks(core, model, units)
     trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
     core.set_module_state_from(list(model.state_dict(keep_vars=True).items()))
-    return Engine(model, core, cfg, hooks, trained)
+    optimizer = EngineOptimizer(core, groups, cfg)
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+        if not callable(lr_scheduler):
+            raise TypeError("zeroshard.initialize: lr_scheduler must be a scheduler (with step()) or a callable "
+                            f"taking the optimizer, not {type(lr_scheduler).__name__}")
+        lr_scheduler = lr_scheduler(optimizer)
+    return Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler)
+
+
+# With a scheduler passed to initialize, the saved client state is a dict of these two keys.
+_CLIENT_STATE = "__zeroshard_client_state__"
+_CLIENT_SCHEDULER = "__zeroshard_lr_scheduler__"
 
 
 def _client_state_bytes(client_state):

@@ -46,8 +46,6 @@ def test_errors_are_value_errors_with_path_and_suggestion():
 
     with pytest.raises(ValueError, match=r"zero_optimization.stage: must be 0, 1, 2 or 3, got 4"):
         zeroshard.Config.from_dict({"zero_optimization": {"stage": 4}})
-    with pytest.raises(ValueError, match="Hugging Face Trainer"):
-        zeroshard.Config.from_json('{"train_micro_batch_size_per_gpu": "auto"}')
     with pytest.raises(ValueError, match="no such file"):
         zeroshard.Config.from_file(str(CONFIGS / "missing.json"))
     with pytest.raises(ValueError):
@@ -59,13 +57,13 @@ def test_ignored_deepspeed_keys_are_listed_as_warnings():
         cfg = zeroshard.Config.from_dict(
             {
                 "train_micro_batch_size_per_gpu": 4,
-                "steps_per_print": 10,
+                "flops_profiler": {"enabled": False},
                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
             }
         )
     assert [str(w.message) for w in record] == cfg.warnings
     assert len(cfg.warnings) == 2
-    assert cfg.warnings[0].startswith('"steps_per_print" is a DeepSpeed key')
+    assert cfg.warnings[0].startswith('"flops_profiler" is a DeepSpeed key')
     assert '"zero_optimization.offload_optimizer"' in cfg.warnings[1]
 
 
@@ -106,7 +104,9 @@ def test_to_dict_round_trips_and_pickles():
 #       layer, or in python/zeroshard/;
 #   ("refuses", value): only the value zeroshard implements is accepted (others are errors);
 #   ("warns", value): that value is ignored with a warning;
-#   ("section", None): an object whose keys are listed themselves.
+#   ("section", None): an object whose keys are listed themselves;
+#   ("switch", sibling, value): the section's keys marked "inert" do nothing unless this key,
+#       beside them, is set to `value` (then the section warns or fails on the switch).
 KEY_EFFECTS = {
     "train_batch_size": ("field", r"batchSizes\(", 8),
     "train_micro_batch_size_per_gpu": ("field", r"batchSizes\(", 4),
@@ -152,6 +152,33 @@ KEY_EFFECTS = {
     "zeroshard.max_inflight_reductions": ("field", r"extras\.maxInflightReductions", 5),
     "zeroshard.checkpoint": ("section", None, None),
     "zeroshard.checkpoint.keep_last": ("field", r"extras\.checkpointKeepLast", 5),
+    "steps_per_print": ("field", r"stepsPerPrint", 3),
+    "wall_clock_breakdown": ("field", r"wallClockBreakdown", True),
+    "scheduler": ("section", None, None),
+    "scheduler.type": ("field", r"scheduler\.type|LrSchedule", "WarmupLR"),
+    "scheduler.params": ("section", None, None),
+    "tensor_parallel": ("section", None, None),
+    "tensor_parallel.autotp_size": ("refuses", 2),
+    "tensor_parallel.tp": ("section", None, None),
+    "tensor_parallel.tensor_parallel": ("section", None, None),
+    "tensor_parallel.tp.tp_size": ("refuses", 2),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("field", r"gather16bitWeightsOnModelSave", True),
+    "zero_optimization.gather_16bit_weights_on_model_save": ("field", r"gather16bitWeightsOnModelSave", True),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": ("field", r"gather16bitWeightsOnModelSave", True),
+    "zero_optimization.reduce_scatter": ("warns", False),
+    "zero_optimization.allgather_partitions": ("warns", False),
+    "zero_optimization.offload_optimizer": ("section", None, None),
+    "zero_optimization.offload_param": ("section", None, None),
+    "zero_optimization.offload_optimizer.device": ("warns", "cpu"),
+    "zero_optimization.offload_param.device": ("warns", "cpu"),
+}
+
+# The keys marked "inert" and the key beside them that switches their feature on.
+INERT_SWITCHES = {
+    "zero_optimization.offload_optimizer": ("device", "cpu"),
+    "zero_optimization.offload_param": ("device", "cpu"),
+    "tensor_parallel": ("autotp_size", 2),
+    "tensor_parallel.tp": ("tp_size", 2),
 }
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +212,19 @@ def test_every_accepted_key_takes_effect_or_warns():
     assert accepted, "the reader lists its keys"
     for section, key, kind in accepted:
         path = f"{section}.{key}" if section else key
+        if kind == "inert":
+            # Without the switch: accepted, silently, as DeepSpeed has nothing to do with it
+            # either; with it: the section warns or fails, naming it.
+            switch, on = INERT_SWITCHES[section]
+            assert zeroshard.Config.from_dict(_nested(path, 1)).warnings == [], f"{path} warns while switched off"
+            switched = _nested(section, {key: 1, switch: on})
+            try:
+                warned = zeroshard.Config.from_dict(switched).warnings
+            except ValueError as e:
+                assert section in str(e)
+            else:
+                assert any(f'"{section}"' in w for w in warned), f"{path} is accepted with {switch}={on!r} silently"
+            continue
         if kind == "ignored":
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -226,7 +266,7 @@ def test_warnings_point_at_the_users_line():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        line = _user_line(); zeroshard.Config.from_dict({"steps_per_print": 1})  # noqa: E702
+        line = _user_line(); zeroshard.Config.from_dict({"tensorboard": {}})  # noqa: E702
     assert [(Path(w.filename).name, w.lineno) for w in caught] == [("test_config.py", line)]
     (filename, lineno), expected = run_ranks(_initialize_warning, 1)[0]
     assert (Path(filename).name, lineno) == ("test_config.py", expected)
@@ -240,6 +280,6 @@ def _initialize_warning(rank, world_size):
     model = torch.nn.Linear(4, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        line = _user_line(); zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1})  # noqa: E702
-    [w] = [w for w in caught if "steps_per_print" in str(w.message)]
+        line = _user_line(); zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 1, "tensorboard": {}})  # noqa: E702
+    [w] = [w for w in caught if "tensorboard" in str(w.message)]
     return (w.filename, w.lineno), line

@@ -189,15 +189,16 @@ def test_ranks_running_units_in_different_orders_get_a_clear_error():
         assert "blocks.0" in message or "blocks.1" in message
 
 
-@pytest.mark.parametrize("limit", ["max_live", "no_prefetch"])
+@pytest.mark.parametrize("limit", ["max_live", "max_live_zero", "no_prefetch"])
 def test_live_and_prefetch_limits_bound_gathered_memory(limit):
-    """stage3_max_live_parameters (here: the root plus one block) and
-    stage3_prefetch_bucket_size = 0 each stop the prefetch, so at most one block is gathered
-    beside the root; the numbers do not change."""
+    """stage3_max_live_parameters (here: the root plus one block, or 0: DeepSpeed's "nothing
+    prefetched past the unit in use") and stage3_prefetch_bucket_size = 0 each stop the
+    prefetch, so at most one block is gathered beside the root; the numbers do not change."""
     world_size = 2
     *blocks, root = stage3_unit_numels(Variant(), world_size)
-    zero = ({"stage3_max_live_parameters": root + max(blocks)}
-            if limit == "max_live" else {"stage3_prefetch_bucket_size": 0})
+    zero = {"max_live": {"stage3_max_live_parameters": root + max(blocks)},
+            "max_live_zero": {"stage3_max_live_parameters": 0},
+            "no_prefetch": {"stage3_prefetch_bucket_size": 0}}[limit]
     results = _check_against_reference(world_size, {}, _config(**zero))
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] == 4 * (root + max(blocks))

@@ -1,5 +1,6 @@
 #include "zeroshard/config/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -162,6 +163,29 @@ std::string Config::toJsonString() const {
       {"stage3_prefetch_bucket_size", zero.stage3PrefetchBucketSize},
       {"stage3_param_persistence_threshold", zero.stage3ParamPersistenceThreshold},
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
+  j["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = zero.gather16bitWeightsOnModelSave;
+  if (scheduler.enabled()) {
+    Json params = Json::object();
+    for (const auto& [key, value] : scheduler.params) {
+      // Whole numbers as integers and flags as booleans, so the text reads like the input.
+      const auto* specs = detail::schedulerParams(scheduler.type);
+      const auto spec = std::find_if(specs->begin(), specs->end(), [&](const auto& s) { return s.key == key; });
+      if (spec != specs->end() && spec->kind == detail::SchedulerParamSpec::Kind::Bool) {
+        params[key] = value != 0;
+      } else if (spec != specs->end() && spec->kind != detail::SchedulerParamSpec::Kind::Number) {
+        params[key] = static_cast<int64_t>(value);
+      } else {
+        params[key] = value;
+      }
+    }
+    const bool hasWarmupType = std::any_of(
+        detail::schedulerParams(scheduler.type)->begin(), detail::schedulerParams(scheduler.type)->end(),
+        [](const auto& s) { return s.kind == detail::SchedulerParamSpec::Kind::WarmupType; });
+    if (hasWarmupType) params["warmup_type"] = scheduler.warmupType;
+    j["scheduler"] = {{"type", scheduler.type}, {"params", params}};
+  }
+  j["steps_per_print"] = stepsPerPrint;
+  j["wall_clock_breakdown"] = wallClockBreakdown;
   j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds},
                     {"reshard_after_forward", extras.reshardAfterForward},
                     {"stage3_unit_classes", extras.unitClasses},

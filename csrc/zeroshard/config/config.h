@@ -141,7 +141,7 @@ struct Config {
   bool wallClockBreakdown = false;
 
   // Dotted paths of the keys written as "auto" (the Hugging Face Trainer's placeholder), in the
-  // file's order, e.g. "optimizer.params.lr". Their fields hold the defaults until resolved
+  // order the reader meets them (batch sizes first), e.g. "optimizer.params.lr". Their fields hold the defaults until resolved
   // (config/auto_values.h: resolveAuto); an Engine refuses a Config with any left.
   std::vector<std::string> autoKeys;
   // The config as written (JSON text), kept so that resolving "auto" can read it again with

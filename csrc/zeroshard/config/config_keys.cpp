@@ -14,16 +14,16 @@ const std::vector<ConfigSection>& allSections() {
       {"",
        {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "zero_optimization",
-        "zeroshard"},
-       {"steps_per_print", "wall_clock_breakdown", "dump_state", "scheduler",
-        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-        "comms_logger", "amp", "zero_allow_untested_optimizer", "prescale_gradients",
-        "gradient_predivide_factor", "sparse_gradients", "communication_data_type", "data_types",
-        "elasticity", "checkpoint", "aio", "memory_breakdown", "zero_force_ds_cpu_optimizer",
-        "compression_training", "data_efficiency", "autotuning", "fp32_allreduce",
-        "disable_allgather", "sparse_attention", "pipeline", "curriculum_learning",
-        "progressive_layer_drop", "eigenvalue", "quantize_training", "dataloader_drop_last",
-        "hybrid_engine", "nebula", "compile"}},
+        "zeroshard", "scheduler", "steps_per_print", "wall_clock_breakdown", "tensor_parallel"},
+       {"dump_state", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+        "csv_monitor", "comms_logger", "comms_config", "monitor_config", "amp",
+        "zero_allow_untested_optimizer", "prescale_gradients", "gradient_predivide_factor",
+        "sparse_gradients", "communication_data_type", "data_types", "elasticity", "checkpoint",
+        "aio", "memory_breakdown", "zero_force_ds_cpu_optimizer", "compression_training",
+        "data_efficiency", "autotuning", "fp32_allreduce", "disable_allgather", "sparse_attention",
+        "pipeline", "curriculum_learning", "progressive_layer_drop", "eigenvalue",
+        "quantize_training", "dataloader_drop_last", "hybrid_engine", "nebula", "compile",
+        "torch_autocast", "timers"}},
       {"fp16",
        {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "min_loss_scale"},
@@ -40,12 +40,11 @@ const std::vector<ConfigSection>& allSections() {
        {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
         "contiguous_gradients", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "prefetch_bucket_size", "param_persistence_threshold",
-        "max_live_parameters"},
-       {"offload_optimizer", "offload_param", "reduce_scatter", "allgather_partitions",
-        "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size", "round_robin_gradients",
-        "stage3_max_reuse_distance", "max_reuse_distance",
-        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "stage3_model_persistence_threshold",
+        "max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "offload_optimizer", "offload_param", "reduce_scatter", "allgather_partitions"},
+       {"load_from_fp32_weights", "elastic_checkpoint", "sub_group_size", "round_robin_gradients",
+        "stage3_max_reuse_distance", "max_reuse_distance", "stage3_model_persistence_threshold",
         "model_persistence_threshold", "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params", "ignore_unused_parameters", "cpu_offload",
         "cpu_offload_param", "cpu_offload_use_pin_memory", "legacy_stage1",
@@ -53,6 +52,26 @@ const std::vector<ConfigSection>& allSections() {
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply"}},
+      // Read only for "device": the other keys tune an offload that "none" switches off, and
+      // "cpu" / "nvme" warn for the whole section (offload is not implemented yet).
+      {"zero_optimization.offload_optimizer",
+       {"device"},
+       {},
+       {"nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "fast_init",
+        "ratio", "pipeline"}},
+      {"zero_optimization.offload_param",
+       {"device"},
+       {},
+       {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}},
+      {"scheduler", {"type", "params"}, {}},
+      // DeepSpeed's AutoTP: a size above 1 is an error; at 0 or 1 the other keys tune nothing.
+      {"tensor_parallel",
+       {"autotp_size", "tp", "tensor_parallel"},
+       {},
+       {"dtype", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
+        "injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host",
+        "replace_with_kernel_inject", "quantize_groups", "quantize_bits", "mlp_exp_bias"}},
+      {"tensor_parallel.tp", {"tp_size"}, {}, {"tp_grain_size", "mpu", "tp_group", "enabled"}},
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
         "checkpoint", "max_inflight_reductions"},
@@ -144,6 +163,51 @@ const std::vector<SchedulerParamSpec>* schedulerParams(std::string_view type) {
 
 bool ConfigSection::reads(std::string_view key) const { return contains(readKeys, key); }
 bool ConfigSection::ignores(std::string_view key) const { return contains(ignoredKeys, key); }
+bool ConfigSection::inert(std::string_view key) const { return contains(inertKeys, key); }
+
+namespace {
+
+// The closest known key at this level, or empty. Close enough means at most max(2, length / 3)
+// edits, and fewer edits than half the longer name, so that short keys ("foo") are not matched
+// to unrelated short keys ("aio"); read keys come first, so they win ties.
+std::string_view closestKey(const ConfigSection& section, const std::string& key) {
+  const size_t limit = std::max<size_t>(2, key.size() / 3);
+  std::string_view best;
+  size_t bestDistance = limit + 1;
+  for (const auto* keys : {&section.readKeys, &section.ignoredKeys, &section.inertKeys}) {
+    for (std::string_view candidate : *keys) {
+      const size_t distance = editDistance(key, candidate);
+      if (distance < bestDistance && 2 * distance < std::max(key.size(), candidate.size())) {
+        best = candidate;
+        bestDistance = distance;
+      }
+    }
+  }
+  return best;
+}
+
+// The other section that takes `key`, if any ("stage" written at the top level).
+const ConfigSection* sectionTaking(const ConfigSection& section, const std::string& key) {
+  for (const ConfigSection& other : allSections()) {
+    if (&other != &section && (other.reads(key) || other.ignores(key) || other.inert(key))) return &other;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool isNearMiss(const ConfigSection& section, const std::string& key) {
+  return !closestKey(section, key).empty();
+}
+
+std::string unknownTopLevelMessage(const ConfigSection& section, const std::string& key) {
+  std::string message = "unknown top-level key " + quoted(key) + " is ignored, as DeepSpeed ignores it";
+  if (const ConfigSection* other = sectionTaking(section, key)) {
+    message += " (\"" + key + "\" is a key of " + quoted(other->path) + "; did you mean " +
+               quoted(join(other->path, key)) + "?)";
+  }
+  return message;
+}
 
 const std::vector<ConfigSection>& configSections() { return allSections(); }
 
@@ -175,21 +239,7 @@ std::string unknownKeyMessage(const ConfigSection& section, const std::string& w
                               const std::string& key) {
   std::string message = "unknown key " + quoted(join(writtenPath, key));
 
-  // Closest key at this level; read keys come first, so they win ties. Close enough means at
-  // most max(2, length / 3) edits, and fewer edits than half the longer name, so that short
-  // keys ("foo") are not matched to unrelated short keys ("aio").
-  const size_t limit = std::max<size_t>(2, key.size() / 3);
-  std::string_view best;
-  size_t bestDistance = limit + 1;
-  for (const auto* keys : {&section.readKeys, &section.ignoredKeys}) {
-    for (std::string_view candidate : *keys) {
-      const size_t distance = editDistance(key, candidate);
-      if (distance < bestDistance && 2 * distance < std::max(key.size(), candidate.size())) {
-        best = candidate;
-        bestDistance = distance;
-      }
-    }
-  }
+  std::string_view best = closestKey(section, key);
   // A known key that starts with the given one: a name cut short ("collective_timeout").
   if (best.empty() && key.size() >= 4) {
     for (std::string_view candidate : section.readKeys) {
@@ -202,11 +252,9 @@ std::string unknownKeyMessage(const ConfigSection& section, const std::string& w
   if (!best.empty()) return message + "; did you mean " + quoted(join(writtenPath, best)) + "?";
 
   // A key put at the wrong level ("stage" at the top, "lr" beside "type") is a common slip.
-  for (const ConfigSection& other : allSections()) {
-    if (&other != &section && (other.reads(key) || other.ignores(key))) {
-      return message + "; did you mean " + quoted(join(other.path, key)) + "? (\"" + key +
-             "\" belongs inside " + quoted(other.path) + ")";
-    }
+  if (const ConfigSection* other = sectionTaking(section, key)) {
+    return message + "; did you mean " + quoted(join(other->path, key)) + "? (\"" + key +
+           "\" belongs inside " + quoted(other->path) + ")";
   }
 
   if (section.path.empty()) {

@@ -16,9 +16,14 @@ struct ConfigSection {
   std::string_view path;
   std::vector<std::string_view> readKeys;     // zeroshard reads and validates these
   std::vector<std::string_view> ignoredKeys;  // DeepSpeed keys zeroshard ignores with a warning
+  // DeepSpeed keys accepted without effect, any value: they tune a feature that another key of
+  // the section switches off (offload with device "none", tensor parallelism of size 1), in
+  // zeroshard as in DeepSpeed. The reader warns or fails on the switch, not on these.
+  std::vector<std::string_view> inertKeys = {};
 
   bool reads(std::string_view key) const;
   bool ignores(std::string_view key) const;
+  bool inert(std::string_view key) const;
 };
 
 // The section at `path`; `path` must be one of the sections the reader descends into.
@@ -47,6 +52,11 @@ struct SchedulerParamSpec {
 const std::vector<std::string_view>& schedulerTypes();
 // The parameters of `type`, or nullptr when it is not one of schedulerTypes().
 const std::vector<SchedulerParamSpec>* schedulerParams(std::string_view type);
+
+// Whether `key` (not a key of `section`) is a near miss of one of its keys: a typo to report.
+bool isNearMiss(const ConfigSection& section, const std::string& key);
+// The warning for a top-level key that is neither a DeepSpeed key nor a zeroshard one.
+std::string unknownTopLevelMessage(const ConfigSection& section, const std::string& key);
 
 // Optimal string alignment distance: Levenshtein plus adjacent transpositions, so "stgae" is one
 // edit from "stage", as a person counts it.

@@ -1,5 +1,6 @@
 #include "zeroshard/config/config_reader.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -74,6 +75,7 @@ class ConfigReader {
     }
     checkKeys(root, "", configSection(""));
     readTopLevel(root);
+    config_.text = text;
     return std::move(config_);
   }
 
@@ -87,11 +89,18 @@ class ConfigReader {
   // Unknown keys are errors; DeepSpeed keys zeroshard does not implement become warnings.
   void checkKeys(const Json& object, const std::string& writtenPath, const ConfigSection& section) {
     for (const auto& [key, value] : object.items()) {
-      if (section.reads(key)) continue;
+      if (section.reads(key) || section.inert(key)) continue;
       if (section.ignores(key)) {
         config_.warnings.push_back("\"" + join(writtenPath, key) +
                                    "\" is a DeepSpeed key zeroshard does not implement yet; it is "
                                    "ignored");
+        continue;
+      }
+      // DeepSpeed ignores unknown top-level keys ("_comment", "comms_config", ...); so does
+      // zeroshard, with a warning, unless the key is a near miss of a known one: a typo such as
+      // "zero_optimisation" would otherwise silently train with the defaults.
+      if (section.path.empty() && !isNearMiss(section, key)) {
+        config_.warnings.push_back(unknownTopLevelMessage(section, key));
         continue;
       }
       fail(unknownKeyMessage(section, writtenPath, key));
@@ -107,10 +116,12 @@ class ConfigReader {
     return value;
   }
 
-  [[noreturn]] void failAuto(const std::string& path, const char* needed) const {
-    fail(path + ": \"auto\" is a placeholder that the Hugging Face Trainer fills in before "
-                "DeepSpeed reads the config; zeroshard reads the config as written, so " +
-         needed + " is needed here");
+  // "auto" is the Hugging Face Trainer's placeholder: the key is recorded in Config::autoKeys
+  // and its field keeps its default until resolveAuto (auto_values.h) fills it in.
+  bool takeAuto(const Json& value, const std::string& path) {
+    if (!value.is_string() || value.get<std::string>() != "auto") return false;
+    config_.autoKeys.push_back(path);
+    return true;
   }
 
   void checkRange(bool ok, const std::string& path, const char* allowed, const Json& value) const {
@@ -118,7 +129,6 @@ class ConfigReader {
   }
 
   int64_t toInt(const Json& value, const std::string& path, const IntRange& range) const {
-    if (value.is_string() && value.get<std::string>() == "auto") failAuto(path, "a number");
     int64_t result = 0;
     if (value.is_number_integer() && !value.is_number_unsigned()) {
       result = value.get<int64_t>();
@@ -140,7 +150,6 @@ class ConfigReader {
   }
 
   double toNumber(const Json& value, const std::string& path, const NumberRange& range) const {
-    if (value.is_string() && value.get<std::string>() == "auto") failAuto(path, "a number");
     if (!value.is_number()) fail(path + ": must be a number, got " + describe(value));
     const double d = value.get<double>();
     checkRange(std::isfinite(d), path, "a finite number", value);
@@ -151,28 +160,30 @@ class ConfigReader {
   }
 
   bool toBool(const Json& value, const std::string& path) const {
-    if (value.is_string() && value.get<std::string>() == "auto") failAuto(path, "true or false");
     if (!value.is_boolean()) fail(path + ": must be true or false, got " + describe(value));
     return value.get<bool>();
   }
 
-  // The read* helpers leave `out` at its default when the key is absent.
+  // The read* helpers leave `out` at its default when the key is absent or "auto".
   void readInt(const Json& o, const std::string& path, const std::string& key,
-               const IntRange& range, int64_t& out) const {
-    if (const Json* v = member(o, key)) out = toInt(*v, join(path, key), range);
+               const IntRange& range, int64_t& out) {
+    const Json* v = member(o, key);
+    if (v != nullptr && !takeAuto(*v, join(path, key))) out = toInt(*v, join(path, key), range);
   }
   void readNumber(const Json& o, const std::string& path, const std::string& key,
-                  const NumberRange& range, double& out) const {
-    if (const Json* v = member(o, key)) out = toNumber(*v, join(path, key), range);
+                  const NumberRange& range, double& out) {
+    const Json* v = member(o, key);
+    if (v != nullptr && !takeAuto(*v, join(path, key))) out = toNumber(*v, join(path, key), range);
   }
-  void readBool(const Json& o, const std::string& path, const std::string& key, bool& out) const {
-    if (const Json* v = member(o, key)) out = toBool(*v, join(path, key));
+  void readBool(const Json& o, const std::string& path, const std::string& key, bool& out) {
+    const Json* v = member(o, key);
+    if (v != nullptr && !takeAuto(*v, join(path, key))) out = toBool(*v, join(path, key));
   }
   // For keys whose absence means something (derive it, or let the stage decide); DeepSpeed
   // treats null the same as absent for these.
-  void readOptionalInt(const Json& o, const std::string& key, std::optional<int64_t>& out) const {
+  void readOptionalInt(const Json& o, const std::string& key, std::optional<int64_t>& out) {
     const Json* v = member(o, key);
-    if (v != nullptr && !v->is_null()) out = toInt(*v, key, kPositiveInt);
+    if (v != nullptr && !v->is_null() && !takeAuto(*v, key)) out = toInt(*v, key, kPositiveInt);
   }
 
   // The key written in `o` among a name and its alias; both at once is an error.
@@ -187,6 +198,11 @@ class ConfigReader {
   }
 
   void readTopLevel(const Json& root);
+  void readExtras(const Json& o, const std::string& path);
+  void readTensorParallel(const Json& o, const std::string& path);
+  void readScheduler(const Json& o, const std::string& path);
+  void readSchedulerParam(const Json& value, const std::string& path, const SchedulerParamSpec& spec);
+  void readOffload(const Json& o, const std::string& path);
   void readFp16(const Json& o, const std::string& path);
   void readOptimizer(const Json& o, const std::string& path);
   void readOptimizerParams(const Json& o, const std::string& path);
@@ -288,34 +304,141 @@ void ConfigReader::readTopLevel(const Json& root) {
   if (const Json* zero = object(root, "", "zero_optimization")) {
     readZero(*zero, "zero_optimization");
   }
-  if (const Json* extras = object(root, "", "zeroshard")) {
-    checkKeys(*extras, "zeroshard", configSection("zeroshard"));
-    readNumber(*extras, "zeroshard", "collective_timeout_seconds", kPositive,
-               config_.extras.collectiveTimeoutSeconds);
-    readBool(*extras, "zeroshard", "reshard_after_forward", config_.extras.reshardAfterForward);
-    readInt(*extras, "zeroshard", "max_inflight_reductions", kPositiveInt, config_.extras.maxInflightReductions);
-    if (const Json* checkpoint = object(*extras, "zeroshard", "checkpoint")) {
-      checkKeys(*checkpoint, "zeroshard.checkpoint", configSection("zeroshard.checkpoint"));
-      readInt(*checkpoint, "zeroshard.checkpoint", "keep_last", kNonNegativeInt, config_.extras.checkpointKeepLast);
+  if (const Json* extras = object(root, "", "zeroshard")) readExtras(*extras, "zeroshard");
+  if (const Json* tp = object(root, "", "tensor_parallel")) readTensorParallel(*tp, "tensor_parallel");
+  if (const Json* scheduler = object(root, "", "scheduler")) readScheduler(*scheduler, "scheduler");
+  readInt(root, "", "steps_per_print", kPositiveInt, config_.stepsPerPrint);
+  readBool(root, "", "wall_clock_breakdown", config_.wallClockBreakdown);
+}
+
+void ConfigReader::readExtras(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("zeroshard"));
+  ZeroshardExtras& extras = config_.extras;
+  readNumber(o, path, "collective_timeout_seconds", kPositive, extras.collectiveTimeoutSeconds);
+  readBool(o, path, "reshard_after_forward", extras.reshardAfterForward);
+  readInt(o, path, "max_inflight_reductions", kPositiveInt, extras.maxInflightReductions);
+  if (const Json* checkpoint = object(o, path, "checkpoint")) {
+    const std::string checkpointPath = join(path, "checkpoint");
+    checkKeys(*checkpoint, checkpointPath, configSection("zeroshard.checkpoint"));
+    readInt(*checkpoint, checkpointPath, "keep_last", kNonNegativeInt, extras.checkpointKeepLast);
+  }
+  if (const Json* value = member(o, "reduce_dtype"); value != nullptr && !takeAuto(*value, join(path, "reduce_dtype"))) {
+    if (!value->is_string() || (*value != "compute" && *value != "fp32")) {
+      fail(join(path, "reduce_dtype") + ": must be \"compute\" or \"fp32\", got " + describe(*value));
     }
-    if (extras->contains("reduce_dtype")) {
-      const Json& value = (*extras)["reduce_dtype"];
-      if (!value.is_string() || (value != "compute" && value != "fp32")) {
-        fail("zeroshard.reduce_dtype: must be \"compute\" or \"fp32\", got " + value.dump());
+    extras.reduceDtype = value->get<std::string>();
+  }
+  if (const Json* classes = member(o, "stage3_unit_classes")) {
+    const std::string where = join(path, "stage3_unit_classes");
+    if (!classes->is_array()) fail(where + ": must be a list of module class names, got " + describe(*classes));
+    for (const auto& name : *classes) {
+      if (!name.is_string() || name.get<std::string>().empty()) {
+        fail(where + ": every entry must be a non-empty class name string, got " + describe(name));
       }
-      config_.extras.reduceDtype = value.get<std::string>();
+      extras.unitClasses.push_back(name.get<std::string>());
     }
-    if (extras->contains("stage3_unit_classes")) {
-      const Json& classes = (*extras)["stage3_unit_classes"];
-      const std::string where = "zeroshard.stage3_unit_classes";
-      if (!classes.is_array()) fail(where + ": must be a list of module class names, got " + classes.dump());
-      for (const auto& name : classes) {
-        if (!name.is_string() || name.get<std::string>().empty()) {
-          fail(where + ": every entry must be a non-empty class name string, got " + name.dump());
-        }
-        config_.extras.unitClasses.push_back(name.get<std::string>());
+  }
+}
+
+// DeepSpeed's AutoTP training config. zeroshard shards data-parallel only, so a tensor-parallel
+// size above 1 would train a different layout than asked: an error, not a warning.
+void ConfigReader::readTensorParallel(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("tensor_parallel"));
+  auto checkSize = [&](const Json& parent, const std::string& parentPath, const char* key) {
+    int64_t size = 1;
+    readInt(parent, parentPath, key, kNonNegativeInt, size);
+    if (size > 1) {
+      fail(join(parentPath, key) + ": zeroshard does not implement tensor parallelism (it shards "
+           "parameters, gradients and optimizer state over data-parallel ranks), so the size must "
+           "be 0 or 1 or left out, got " + std::to_string(size));
+    }
+  };
+  checkSize(o, path, "autotp_size");
+  const std::string tpKey = aliased(o, path, "tp", "tensor_parallel");
+  if (const Json* tp = object(o, path, tpKey)) {
+    const std::string tpPath = join(path, tpKey);
+    checkKeys(*tp, tpPath, configSection("tensor_parallel.tp"));
+    checkSize(*tp, tpPath, "tp_size");
+  }
+}
+
+void ConfigReader::readScheduler(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("scheduler"));
+  const Json* type = member(o, "type");
+  const std::string typePath = join(path, "type");
+  std::string names;
+  for (std::string_view t : schedulerTypes()) names += (names.empty() ? "" : ", ") + std::string(t);
+  if (type == nullptr || type->is_null()) {
+    if (member(o, "params") != nullptr) fail(typePath + ": is needed with scheduler.params; one of " + names);
+    return;  // DeepSpeed: no type, no scheduler
+  }
+  if (!type->is_string() || schedulerParams(type->get<std::string>()) == nullptr) {
+    fail(typePath + ": must be one of DeepSpeed's schedules " + names + ", got " + describe(*type));
+  }
+  SchedulerConfig& scheduler = config_.scheduler;
+  scheduler.type = type->get<std::string>();
+  const std::vector<SchedulerParamSpec>& specs = *schedulerParams(scheduler.type);
+  const std::string paramsPath = join(path, "params");
+  const Json* params = object(o, path, "params");
+  const Json empty = Json::object();
+  if (params == nullptr) params = &empty;
+  for (const auto& [key, value] : params->items()) {
+    const auto spec = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.key == key; });
+    if (spec == specs.end()) {
+      std::string known;
+      for (const auto& s : specs) known += (known.empty() ? "" : ", ") + std::string(s.key);
+      fail("unknown key \"" + join(paramsPath, key) + "\": " + scheduler.type + " takes " + known);
+    }
+    readSchedulerParam(value, join(paramsPath, key), *spec);
+  }
+  for (const auto& spec : specs) {
+    const bool written = member(*params, std::string(spec.key)) != nullptr;
+    if (!written && !spec.defaultValue && !spec.nullable && spec.kind != SchedulerParamSpec::Kind::WarmupType) {
+      fail(join(paramsPath, std::string(spec.key)) + ": " + scheduler.type +
+           " needs it (DeepSpeed has no default for it)");
+    }
+  }
+}
+
+void ConfigReader::readSchedulerParam(const Json& value, const std::string& path,
+                                      const SchedulerParamSpec& spec) {
+  using Kind = SchedulerParamSpec::Kind;
+  SchedulerConfig& scheduler = config_.scheduler;
+  const std::string key(spec.key);
+  if (takeAuto(value, path)) return;
+  if (value.is_null()) {
+    if (!spec.nullable) fail(path + ": must be set (null is allowed only where DeepSpeed takes None), got null");
+    return;
+  }
+  switch (spec.kind) {
+    case Kind::Number: scheduler.params[key] = toNumber(value, path, kNonNegative); break;
+    case Kind::Steps: scheduler.params[key] = static_cast<double>(toInt(value, path, kNonNegativeInt)); break;
+    case Kind::Iteration:
+      scheduler.params[key] = static_cast<double>(toInt(value, path, IntRange{-1, kInt64Max, ">= -1"}));
+      break;
+    case Kind::Bool: scheduler.params[key] = toBool(value, path) ? 1.0 : 0.0; break;
+    case Kind::WarmupType:
+      if (!value.is_string() || (value != "log" && value != "linear")) {
+        fail(path + ": must be \"log\" or \"linear\", got " + describe(value));
       }
-    }
+      scheduler.warmupType = value.get<std::string>();
+      break;
+  }
+}
+
+// offload_optimizer / offload_param: device "none" (DeepSpeed's default) is what zeroshard
+// does; "cpu" and "nvme" are not implemented yet and warn.
+void ConfigReader::readOffload(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection(path));
+  const Json* device = member(o, "device");
+  if (device == nullptr || device->is_null() || takeAuto(*device, join(path, "device"))) return;
+  if (!device->is_string() || (*device != "none" && *device != "cpu" && *device != "nvme")) {
+    fail(join(path, "device") + ": must be \"none\", \"cpu\" or \"nvme\", got " + describe(*device));
+  }
+  if (*device != "none") {
+    config_.warnings.push_back("\"" + path + "\" is a DeepSpeed key zeroshard does not implement yet; it is "
+                               "ignored: device \"" + device->get<std::string>() + "\" asks for offload, "
+                               "and every state stays on the device");
   }
 }
 
@@ -353,7 +476,7 @@ void ConfigReader::readOptimizerParams(const Json& o, const std::string& path) {
   checkKeys(o, path, configSection("optimizer.params"));
   OptimizerConfig& opt = config_.optimizer;
   readNumber(o, path, "lr", kNonNegative, opt.lr);
-  if (const Json* betas = member(o, "betas")) {
+  if (const Json* betas = member(o, "betas"); betas != nullptr && !takeAuto(*betas, join(path, "betas"))) {
     const std::string betasPath = join(path, "betas");
     if (!betas->is_array() || betas->size() != 2) {
       fail(betasPath + ": must be an array of two numbers in [0, 1), e.g. [0.9, 0.999], got " +
@@ -390,9 +513,20 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
   checkKeys(o, path, configSection("zero_optimization"));
   ZeroConfig& zero = config_.zero;
   readInt(o, path, "stage", IntRange{0, 3, "0, 1, 2 or 3"}, zero.stage);
+  // DeepSpeed's default for a true/false key that zeroshard implements only at that value.
+  for (const char* key : {"reduce_scatter", "allgather_partitions"}) {
+    bool value = true;
+    readBool(o, path, key, value);
+    if (!value) {
+      config_.warnings.push_back("\"" + join(path, key) + "\": false is ignored; zeroshard always " +
+                                 (std::string(key) == "reduce_scatter" ? "reduce-scatters gradients at stages 2 and 3"
+                                                                       : "all-gathers parameter partitions"));
+    }
+  }
   readInt(o, path, "reduce_bucket_size", kPositiveInt, zero.reduceBucketSize);
   readInt(o, path, "allgather_bucket_size", kPositiveInt, zero.allgatherBucketSize);
-  if (const Json* v = member(o, "overlap_comm"); v != nullptr && !v->is_null()) {
+  if (const Json* v = member(o, "overlap_comm"); v != nullptr && !v->is_null() &&
+                                                  !takeAuto(*v, join(path, "overlap_comm"))) {
     zero.overlapComm = toBool(*v, join(path, "overlap_comm"));
   }
   bool contiguous = true;
@@ -410,7 +544,18 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
           aliased(o, path, "stage3_param_persistence_threshold", "param_persistence_threshold"),
           kNonNegativeInt, zero.stage3ParamPersistenceThreshold);
   readInt(o, path, aliased(o, path, "stage3_max_live_parameters", "max_live_parameters"),
-          kPositiveInt, zero.stage3MaxLiveParameters);
+          kNonNegativeInt, zero.stage3MaxLiveParameters);
+  {
+    const char* name = "stage3_gather_16bit_weights_on_model_save";
+    const char* aliases[] = {"gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"};
+    for (const char* alias : aliases) {
+      if (member(o, alias) != nullptr) name = aliased(o, path, name, alias);
+    }
+    readBool(o, path, name, zero.gather16bitWeightsOnModelSave);
+  }
+  for (const char* key : {"offload_optimizer", "offload_param"}) {
+    if (const Json* offload = object(o, path, key)) readOffload(*offload, join(path, key));
+  }
 }
 
 }  // namespace

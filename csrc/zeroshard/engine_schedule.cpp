@@ -53,7 +53,9 @@ std::vector<double> Engine::learningRates() const {
 
 std::vector<std::pair<double, double>> Engine::betas() const {
   std::vector<std::pair<double, double>> out;
-  for (int g = 0; g < optimizer_.numGroups(); ++g) out.emplace_back(optimizer_.hyper(g).beta1, optimizer_.hyper(g).beta2);
+  for (int g = 0; g < optimizer_.numGroups(); ++g) {
+    out.emplace_back(optimizer_.hyper(g).beta1, optimizer_.hyper(g).beta2);
+  }
   return out;
 }
 

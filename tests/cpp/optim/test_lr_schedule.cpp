@@ -29,12 +29,17 @@ SchedulerConfig schedule(const std::string& type, std::map<std::string, double> 
   return c;
 }
 
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 double lrAt(const LrSchedule& s, int64_t iteration, size_t group = 0) {
   return s.valuesAt(iteration).at(group).lr;
 }
 
-Approx near(double v) {
-  return Approx(v).epsilon(1e-14).margin(0);
+// Equal to 1e-14 relative: for values through a log or cosine.
+bool near(double got, double want) {
+  return std::abs(got - want) <= 1e-14 * std::abs(want);
 }
 
 const double kPi = std::acos(-1.0);
@@ -51,9 +56,9 @@ TEST_CASE("WarmupLR with DeepSpeed's defaults warms each group up to its own lr 
   CHECK(s.current()->at(1).lr == 0.0);
   CHECK(lrAt(s, -1) == 0.0);
   CHECK(lrAt(s, 0) == 0.0);
-  CHECK(lrAt(s, 1) == near(0.01 * std::log(2.0) / std::log(1000.0)));
-  CHECK(lrAt(s, 999) == near(0.01));
-  CHECK(lrAt(s, 999, 1) == near(0.002));
+  CHECK(near(lrAt(s, 1), 0.01 * std::log(2.0) / std::log(1000.0)));
+  CHECK(near(lrAt(s, 999), 0.01));
+  CHECK(near(lrAt(s, 999, 1), 0.002));
   // From warmup_num_steps on: exactly max.
   CHECK(lrAt(s, 1000) == 0.01);
   CHECK(lrAt(s, 1000, 1) == 0.002);
@@ -93,7 +98,7 @@ TEST_CASE("WarmupDecayLR warms up then decays linearly to warmup_min_lr at total
   const LrSchedule d(schedule("WarmupDecayLR", {{"total_num_steps", 3000}}), {0.5});
   CHECK(d.current()->at(0).lr == 0.0);
   CHECK(lrAt(d, 0) == 0.0);
-  CHECK(lrAt(d, 1) == near(0.001 * std::log(2.0) / std::log(1000.0)));
+  CHECK(near(lrAt(d, 1), 0.001 * std::log(2.0) / std::log(1000.0)));
   CHECK(lrAt(d, 1000) == 0.001);
   CHECK(lrAt(d, 2000) == 0.001 * 0.5);
   CHECK(lrAt(d, 3000) == 0.0);
@@ -113,17 +118,17 @@ TEST_CASE("WarmupCosineLR scales each group's lr from warmup_min_ratio to 1 then
   CHECK(lrAt(s, 2) == 0.5 * (0.25 + 0.5 * 0.75));
   // First step after warm-up: progress 1 / (10 - 4).
   const double cosine = (1 + std::cos(kPi / 6)) / 2;
-  CHECK(lrAt(s, 4) == near(0.5 * (0.0625 + 0.9375 * cosine)));
+  CHECK(near(lrAt(s, 4), 0.5 * (0.0625 + 0.9375 * cosine)));
   // Halfway: cos(pi / 2) is 0 to rounding.
-  CHECK(lrAt(s, 6, 1) == near(0.25 * (0.0625 + 0.9375 * 0.5)));
+  CHECK(near(lrAt(s, 6, 1), 0.25 * (0.0625 + 0.9375 * 0.5)));
   // Decay end and after: exactly cos_min_ratio.
   CHECK(lrAt(s, 9) == 0.5 * 0.0625);
   CHECK(lrAt(s, 50, 1) == 0.25 * 0.0625);
   // Defaults: log warm-up over 1000 steps, cos_min_ratio 1e-4.
   const LrSchedule d(schedule("WarmupCosineLR", {{"total_num_steps", 2000}}), {0.5});
   CHECK(lrAt(d, 0) == 0.0);
-  CHECK(lrAt(d, 999) == near(0.5));
-  CHECK(lrAt(d, 1999) == near(0.5 * 0.0001));
+  CHECK(near(lrAt(d, 999), 0.5));
+  CHECK(near(lrAt(d, 1999), 0.5 * 0.0001));
 }
 
 TEST_CASE("LRRangeTest grows the lr continuously or in stairs", "[lr_schedule]") {
@@ -156,10 +161,10 @@ TEST_CASE("OneCycle cycles lr up and momentum down then decays, setting betas to
   CHECK(s.valuesAt(-1).at(0).beta1 == 0.9);
   // Batch 2 of 8 (iteration 1): a quarter cycle, half way up.
   CHECK(lrAt(s, 1) == 0.125 + 1.0 * 0.5);
-  CHECK(s.valuesAt(1).at(0).beta1 == near(0.9 - 0.1 * 0.5));
+  CHECK(near(s.valuesAt(1).at(0).beta1.value(), 0.9 - 0.1 * 0.5));
   // Peak at the end of the first half (batch 4).
   CHECK(lrAt(s, 3) == 1.125);
-  CHECK(s.valuesAt(3).at(0).beta1 == near(0.8));
+  CHECK(near(s.valuesAt(3).at(0).beta1.value(), 0.8));
   CHECK(s.valuesAt(3).at(0).beta2 == 0.99);
   CHECK(lrAt(s, 5) == 0.125 + 1.0 * 0.5);
   // Cycle end (batch 8) and after it without decay (decay_step_size 0): min lr, max momentum.
@@ -229,13 +234,13 @@ TEST_CASE("values DeepSpeed's classes refuse are refused naming the key", "[lr_s
     }
     return std::string("no error");
   };
-  CHECK_THAT(message(schedule("LRRangeTest", {{"lr_range_test_step_size", 0}})),
-             Catch::Contains("scheduler.params.lr_range_test_step_size must be a positive integer"));
-  CHECK_THAT(message(schedule("WarmupLR", {{"warmup_num_steps", 0}})),
-             Catch::Contains("scheduler.params.warmup_num_steps must be a positive integer"));
-  CHECK_THAT(message(schedule("OneCycle", {{"cycle_max_lr", 1.0}})),
-             Catch::Contains("scheduler.params.cycle_min_lr is required"));
-  CHECK_THAT(message(schedule("WarmupCosineLR")), Catch::Contains("scheduler.params.total_num_steps is required"));
-  CHECK_THAT(message(schedule("StepLR")), Catch::Contains("scheduler.type \"StepLR\" is not one of"));
-  CHECK_THAT(message(schedule("WarmupLR", {}, "cosine")), Catch::Contains("warmup_type is \"cosine\""));
+  CHECK(contains(message(schedule("LRRangeTest", {{"lr_range_test_step_size", 0}})),
+                 "scheduler.params.lr_range_test_step_size must be a positive integer"));
+  CHECK(contains(message(schedule("WarmupLR", {{"warmup_num_steps", 0}})),
+                 "scheduler.params.warmup_num_steps must be a positive integer"));
+  CHECK(contains(message(schedule("OneCycle", {{"cycle_max_lr", 1.0}})),
+                 "scheduler.params.cycle_min_lr is required"));
+  CHECK(contains(message(schedule("WarmupCosineLR")), "scheduler.params.total_num_steps is required"));
+  CHECK(contains(message(schedule("StepLR")), "scheduler.type \"StepLR\" is not one of"));
+  CHECK(contains(message(schedule("WarmupLR", {}, "cosine")), "warmup_type is \"cosine\""));
 }

@@ -214,7 +214,8 @@ def _trained_weights(rank, world_size):
     for name in TRAINED:
         for stage in (1, 2, 3):
             model = make_model()
-            engine = zeroshard.initialize(model, _config(*CASES[name], stage=stage), param_groups=no_decay_groups(model))
+            engine = zeroshard.initialize(model, _config(*CASES[name], stage=stage),
+                                          param_groups=no_decay_groups(model))
             losses = train_global_batches(model, engine, rank, world_size, range(TRAIN_STEPS))
             out[name, stage] = losses, engine.full_state_dict()
     return out
@@ -284,7 +285,8 @@ def test_training_under_a_schedule_matches_torch_adamw_stepped_with_deepspeeds_v
         losses, state = results[name, stage]
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage}"
         for key, ref in model.state_dict().items():
-            torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"stage {stage}, {key}: {m}")
+            torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"stage {stage}, {key}: {m}")
 
 
 LINE = re.compile(r"step=(\d+), skipped=(\d+), lr=\[([^\]]*)\], loss_scale=(\S+), loss=(\S+), samples/s=(\S+), "

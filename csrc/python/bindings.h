@@ -15,6 +15,7 @@ void bindConfig(pybind11::module_& m);
 void bindCommunicator(pybind11::module_& m);
 void bindEngine(pybind11::module_& m);
 void bindCheckpoint(pybind11::module_& m);
+void bindExport(pybind11::module_& m);
 
 // Note [no group destroyed under the GIL]: a bound object that holds a c10d process group (the
 // Engine, a Communicator, a CommHandle's work, a checkpoint handle) may hold its last

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::python::bindCommunicator(m);
   zeroshard::python::bindEngine(m);
   zeroshard::python::bindCheckpoint(m);
+  zeroshard::python::bindExport(m);
 }

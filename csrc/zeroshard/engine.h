@@ -14,6 +14,7 @@
 #include "zeroshard/layout/param_groups.h"
 #include "zeroshard/layout/param_storage.h"
 #include "zeroshard/checkpoint/engine_checkpoint.h"
+#include "zeroshard/checkpoint/model_export.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/optim/loss_scaler.h"
@@ -147,6 +148,17 @@ class Engine {
                              const std::string& rankError = "");
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
                                   const LoadOptions& options = {});
+
+  // The model for inference as one file, dir/filename (checkpoint/model_export.h, engine_export.cpp;
+  // docs/checkpoints.md): its state dict, trained parameters in the compute dtype, safetensors for
+  // a ".safetensors" name, torch.save's format for any other. Collective and blocking: every rank
+  // calls it outside forward and backward; rank 0 writes (creating dir), streaming each tensor as
+  // it is whole (stage 3: one unit gathered at a time). Returns true when written; at stage 3
+  // without zero_optimization.stage3_gather_16bit_weights_on_model_save it writes nothing,
+  // TORCH_WARNs (C++ programs: on stderr, through c10's warning handler) and returns false, as
+  // DeepSpeed does. On any rank's error it fails on every rank, leaving no partial file.
+  bool save16bitModel(const std::string& dir, const std::string& filename = "model.safetensors",
+                      const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
 
   // Learning rates (engine_schedule.cpp). With a config "scheduler" the schedule owns every
   // group's lr (and, for OneCycle, betas): it puts its start values in at construction and is

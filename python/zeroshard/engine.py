@@ -247,6 +247,23 @@ class Engine:
     def get_lr(self, group=0):
         return self._core.get_lr(group)
 
+    def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
+        """Writes save_dir/save_filename: the model's state dict for inference, as DeepSpeed's
+        save_16bit_model does: the module's own names, trained parameters in the compute dtype
+        (bf16/fp16 when enabled, else fp32), buffers and frozen parameters as the model holds
+        them. A ".safetensors" name writes safetensors (a tied weight once, under its first name,
+        as save_pretrained does), any other (".bin") torch.save's format. Every rank calls it;
+        rank 0 writes, streaming tensor by tensor (stage 3: one unit gathered at a time).
+
+        Returns True when saved. At stage 3 it needs zero_optimization.
+        stage3_gather_16bit_weights_on_model_save: without it nothing is written, a warning
+        says so and it returns False. docs/checkpoints.md."""
+        self._refresh_module_state()
+        exclude = []
+        if exclude_frozen_parameters:
+            exclude = [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+        return _C._save_16bit_model(self._core, os.fspath(save_dir), save_filename, exclude)["saved"]
+
     def __getattr__(self, name):
         # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,
         # train_batch_size, train_micro_batch_size_per_gpu, is_gradient_accumulation_boundary,

@@ -156,14 +156,18 @@ def test_initialize_names_every_open_auto_and_logs_what_each_became():
     assert other_records == []  # rank 0 only
 
 
+def _schedule(kind):
+    """A scheduler factory of an optimizer: a torch LambdaLR warm-up, or the Hugging Face helper."""
+    if kind == "hf":
+        from transformers import get_linear_schedule_with_warmup
+
+        return lambda opt: get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+
 def _torch_schedulers(rank, world_size, stage, kind):
-    from torch.optim.lr_scheduler import LambdaLR
-
-    def warmup(opt):
-        return LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-
     model = make_model()
-    engine = zeroshard.initialize(model, engine_config(stage, gas=2), lr_scheduler=warmup)
+    engine = zeroshard.initialize(model, engine_config(stage, gas=2), lr_scheduler=_schedule(kind))
     lrs = []
     train_global_batches(model, engine, rank, world_size, range(4),
                          after_step=lambda: lrs.append(engine.get_lr()))
@@ -171,12 +175,16 @@ def _torch_schedulers(rank, world_size, stage, kind):
     return lrs, state
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_torch_scheduler_of_engine_optimizer_sets_each_steps_lr(stage):
-    results = run_ranks(_torch_schedulers, 2, stage, "lambda")
+@pytest.mark.parametrize("stage,kind", [(2, "lambda"), (3, "lambda"), (3, "hf")])
+def test_a_torch_scheduler_of_engine_optimizer_sets_each_steps_lr(stage, kind):
+    """A torch scheduler (or the Hugging Face get_linear_schedule_with_warmup helper) built on
+    engine.optimizer: the engine uses the lr it sets at every step, as torch.optim.AdamW does."""
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    results = run_ranks(_torch_schedulers, 2, stage, kind)
     model = make_model()
     reference = AdamWReference(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(reference.optimizer, lambda s: min(1.0, (s + 1) / 3))
+    sched = _schedule(kind)(reference.optimizer)
     expected_lrs = []
     for step in range(4):
         reference.step(global_batch(step, 2 * 2 * 2))

@@ -201,6 +201,14 @@ void UnitScheduler::gatherAll() {
   for (size_t u = 0; u < units_.size(); ++u) unshard(u);
 }
 
+bool UnitScheduler::gatherUnit(UnitIndex unit) {
+  const size_t u = unit.value;
+  TORCH_CHECK(u < units_.size(), "zeroshard stage 3: unit ", u, " does not exist (", units_.size(), " units)");
+  const bool wasSharded = states_[u] == UnitState::kSharded;
+  unshard(u);
+  return wasSharded;
+}
+
 void UnitScheduler::reshardAll() {
   for (size_t u = 0; u < units_.size(); ++u) reshard(u);
 }

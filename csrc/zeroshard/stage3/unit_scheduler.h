@@ -60,6 +60,13 @@ class UnitScheduler final : public ParamStorage {
   // gathered_parameters() and full state dicts.
   void gatherAll() override;
   void reshardAll() override;
+  // One unit whole outside forward and backward (saving the model unit by unit), blocking.
+  // Returns false when it was gathered already (then it is not this caller's to release);
+  // releaseUnit() undoes a true. Both are counted in peakGatheredBytes() like any gather.
+  bool gatherUnit(UnitIndex unit);
+  void releaseUnit(UnitIndex unit) { reshard(unit.value); }
+  // Bytes of unit parameters gathered now (kept-gathered units, always whole, not included).
+  int64_t gatheredBytes() const { return liveBytes_; }
   // Between steps a unit holds its shard; kept-gathered units also hold the full buffer.
   int64_t bytes() const override;
 

@@ -1,0 +1,51 @@
+// Engine::save16bitModel for Python (zeroshard.Engine.save_16bit_model).
+#include "bindings.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "zeroshard/engine.h"
+
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace zeroshard::python {
+namespace {
+
+// Keeps the TORCH_WARN messages of one call (made on this thread) to hand them to
+// zeroshard._warnings.warn_at_caller, which attributes them to the user's line, after it.
+class CollectedWarnings final : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  std::vector<std::string> messages;
+};
+
+} // namespace
+
+void bindExport(py::module_& m) {
+  m.def(
+      "_save_16bit_model",
+      [](Engine& engine, const std::string& dir, const std::string& filename,
+         const std::vector<std::string>& exclude) {
+        CollectedWarnings warnings;
+        ModelExportStats stats;
+        bool saved = false;
+        {
+          const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+          py::gil_scoped_release noGil;
+          saved = engine.save16bitModel(dir, filename, ModelExportOptions{exclude}, &stats);
+        }
+        const py::object warn = py::module_::import("zeroshard._warnings").attr("warn_at_caller");
+        for (const auto& message : warnings.messages) warn(message);
+        return py::dict("saved"_a = saved, "path"_a = stats.path, "tensors"_a = stats.tensors,
+                        "file_bytes"_a = stats.fileBytes, "gathered_peak"_a = stats.gatheredPeakBytes);
+      },
+      "engine"_a, "dir"_a, "filename"_a = "model.safetensors", "exclude"_a = std::vector<std::string>(),
+      "Engine::save16bitModel (checkpoint/model_export.h): collective; {saved, path, tensors, file_bytes, "
+      "gathered_peak}. Warnings go through zeroshard._warnings.warn_at_caller.");
+}
+
+} // namespace zeroshard::python

@@ -1,0 +1,121 @@
+// Engine::save16bitModel: the model for inference as one file (checkpoint/model_export.h).
+//
+// Note [streamed export]: rank 0 writes the file's header first (everything about it is known
+// from the layouts), then each tensor as soon as it is whole. Below stage 3 every parameter is
+// whole on every rank, so nothing is communicated. At stage 3 the units are gathered one at a
+// time (every rank takes part in each all-gather); rank 0 copies the unit's parameters out to
+// the file and the unit is released before the next is gathered: the export adds one unit's
+// parameters to each rank's memory, never the model. A write error on rank 0 does not stop it
+// taking part in the remaining gathers (the other ranks would wait in them); it is reported on
+// every rank at the end, and the partial file, written under a hidden name, is removed. The
+// file appears under its own name (one rename, after fsync) only when complete.
+#include "zeroshard/engine.h"
+
+#include <c10/util/Exception.h>
+
+#include "zeroshard/checkpoint/checked_file.h"
+#include "zeroshard/comm/agreement.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <memory>
+#include <optional>
+
+namespace zeroshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string describeError(const std::exception& e) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&e)) return c10Error->what_without_backtrace();
+  return e.what();
+}
+
+} // namespace
+
+bool Engine::save16bitModel(const std::string& dir, const std::string& filename, const ModelExportOptions& options,
+                            ModelExportStats* stats) {
+  const fs::path target = fs::path(dir) / filename;
+  if (plan_.paramsSharded() && !config_.zero.gather16bitWeightsOnModelSave) {
+    // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards.
+    TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(), "': at stage 3 the weights must be ",
+               "gathered to be saved, which zero_optimization.stage3_gather_16bit_weights_on_model_save = true "
+               "allows (one unit is gathered at a time); or save a sharded checkpoint with save_checkpoint() "
+               "and convert it (python -m zeroshard.convert)");
+    return false;
+  }
+  const ModelFileFormat format = modelFileFormatOf(filename);
+  const ModelExportPlan exported = planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options);
+  const UncountedCollectives uncounted(comm_);
+  const bool writes = comm_.rank() == 0;
+  const fs::path staging = fs::path(dir) / ("." + filename + ".partial");
+  const auto device = buckets_.front().flatParams().device();
+  const std::string what = "save_16bit_model: writing '" + target.string() + "'";
+  const std::string outcome = "no file was written ('" + target.string() + "' is as it was)";
+  ModelExportStats result;
+  result.path = target.string();
+  result.tensors = static_cast<int64_t>(exported.tensors.size());
+
+  std::optional<ModelFileWriter> writer;
+  std::string writeError;  // rank 0's first error while streaming (Note [streamed export])
+  const auto removeStaging = [&] {
+    writer.reset();
+    std::error_code ignored;
+    fs::remove(staging, ignored);
+  };
+  try {
+    agreeAcrossRanks(comm_, device, what, outcome, [&] {
+      if (!writes) return;
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      TORCH_CHECK(!ec, "cannot create directory '", dir, "': ", ec.message());
+      writer.emplace(staging.string(), format, exported);
+    });
+    size_t i = 0;
+    while (i < exported.tensors.size()) {
+      // The run of tensors whole together: one bucket's at stage 3, everything below it.
+      const auto bucket = exported.sources[i].bucket;
+      size_t end = i + 1;
+      if (units_) {
+        while (end < exported.tensors.size() && exported.sources[end].bucket == bucket) ++end;
+      } else {
+        end = exported.tensors.size();
+      }
+      const bool gathered = units_ && bucket && units_->gatherUnit(UnitIndex{*bucket});
+      if (units_) result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, units_->gatheredBytes());
+      if (writes && writeError.empty()) {
+        try {
+          for (size_t t = i; t < end; ++t) {
+            const ExportSource& source = exported.sources[t];
+            if (source.bucket) {
+              const Bucket& b = buckets_[*source.bucket];
+              const auto& place = b.layout().params()[source.param];
+              writer->write(b.flatParams().narrow(0, place.offset, place.numel).view(place.shape));
+            } else {
+              writer->write(moduleState_.tensors[source.moduleTensor].second.detach());
+            }
+          }
+        } catch (const std::exception& e) {
+          writeError = describeError(e);
+        }
+      }
+      if (gathered) units_->releaseUnit(UnitIndex{*bucket});
+      i = end;
+    }
+    agreeAcrossRanks(comm_, device, what, outcome, [&] {
+      if (!writes) return;
+      TORCH_CHECK(writeError.empty(), writeError);
+      result.fileBytes = writer->finish();
+      writer.reset();
+      fs::rename(staging, target);
+      syncDirectory(dir);
+    });
+  } catch (...) {
+    if (writes) removeStaging();
+    throw;
+  }
+  if (stats) *stats = result;
+  return true;
+}
+
+} // namespace zeroshard

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <memory>
 #include <string_view>
 
 namespace py = pybind11;
@@ -64,6 +65,58 @@ py::list groupDicts(const std::vector<ParamGroupSpec>& specs) {
   return out;
 }
 
+using EngineClass = py::class_<Engine, HolderWithoutGil<Engine>>;
+
+const LrSchedule& scheduleOf(const Engine& e) {
+  if (e.lrSchedule() == nullptr) throw py::value_error("zeroshard: the config has no \"scheduler\"");
+  return *e.lrSchedule();
+}
+
+// The config's schedule, for python/zeroshard/lr_schedule.py (what user code sees as
+// engine.lr_scheduler).
+void bindSchedule(EngineClass& engine) {
+  engine
+      .def_property_readonly("lr_schedule_type",
+                             [](const Engine& e) { return e.lrSchedule() ? e.lrSchedule()->type() : std::string(); })
+      .def_property_readonly("lr_schedule_last_batch_iteration",
+                             [](const Engine& e) { return scheduleOf(e).lastBatchIteration(); })
+      .def(
+          "lr_schedule_lrs",
+          [](const Engine& e) {
+            const LrSchedule& s = scheduleOf(e);
+            std::vector<double> lrs;
+            for (const auto& v : s.valuesAt(s.lastBatchIteration())) lrs.push_back(v.lr);
+            return lrs;
+          },
+          "The schedule's lr per group at its last_batch_iteration (DeepSpeed's get_lr()).")
+      .def("load_lr_schedule_state", &Engine::loadLrScheduleState, "last_batch_iteration"_a);
+}
+
+void bindLogging(EngineClass& engine) {
+  engine
+      .def(
+          "set_log_sink",
+          [](Engine& e, const py::object& sink) {
+            if (sink.is_none()) {
+              e.setLogSink({});
+              return;
+            }
+            // Called from inside step(), which runs without the GIL, and dropped with the
+            // engine, which is deleted without it (Note [no group destroyed under the GIL]).
+            std::shared_ptr<py::object> held(new py::object(sink), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+            e.setLogSink([held](const std::string& line) {
+              py::gil_scoped_acquire gil;
+              (*held)(line);
+            });
+          },
+          "sink"_a, "sink(line) gets rank 0's progress lines (None: print them to stdout).")
+      .def("begin_forward", &Engine::beginForward, py::call_guard<py::gil_scoped_release>())
+      .def("end_forward", &Engine::endForward, py::call_guard<py::gil_scoped_release>());
+}
+
 } // namespace
 
 void bindEngine(py::module_& m) {
@@ -88,7 +141,8 @@ void bindEngine(py::module_& m) {
       },
       "model_params"_a, "unit_names"_a, "unit_params"_a,
       "Stage 3: which parameters each unit holds (stage3/unit_builder.h).");
-  py::class_<Engine, HolderWithoutGil<Engine>>(m, "Engine")
+  py::class_<Engine, HolderWithoutGil<Engine>> engine(m, "Engine");
+  engine
       .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
                        const py::list& units) {
              auto specs = groupSpecs(groups);
@@ -167,8 +221,9 @@ void bindEngine(py::module_& m) {
            "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",
            [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError,
-              bool optimizerStates, const py::object& checkClientState) {
+              bool optimizerStates, const py::object& checkClientState, bool loadSchedulerStates) {
              LoadOptions options{optimizerStates, rankError, {}};
+             options.loadSchedulerState = loadSchedulerStates;
              if (!checkClientState.is_none()) {
                // Called from inside the load (GIL released), before anything changes; it is
                // destroyed with `options`, below, under the GIL.
@@ -186,9 +241,13 @@ void bindEngine(py::module_& m) {
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
            "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true,
-           "check_client_state"_a = py::none())
+           "check_client_state"_a = py::none(), "load_lr_scheduler_states"_a = true)
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
-      .def("get_lr", &Engine::learningRate, "group"_a = 0);
+      .def("get_lr", &Engine::learningRate, "group"_a = 0)
+      .def("get_lrs", &Engine::learningRates, "Every param group's lr, as the next optimizer step uses it.")
+      .def("get_betas", &Engine::betas, "Every param group's (beta1, beta2).");
+  bindSchedule(engine);
+  bindLogging(engine);
 }
 
 } // namespace zeroshard::python

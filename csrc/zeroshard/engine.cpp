@@ -52,7 +52,9 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                Config config, std::vector<UnitSpec> units)
     : config_(withAutoResolved(std::move(config), groups, *processGroup)),
       comm_(std::move(processGroup), timeoutOf(config_)),
-      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(), deviceOfParamGroups(groups))) {
+      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(), deviceOfParamGroups(groups))),
+      stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
+               [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
@@ -79,6 +81,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   masters_->pushToParams(buckets_);
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
+  initSchedule();
   if (plan_.optimizerSharded()) masters_->shard(buckets_, comm_.rank());
   if (plan_.paramsSharded()) {
     auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
@@ -123,6 +126,8 @@ void Engine::backward(const at::Tensor& loss) {
               loss.defined() ? loss.sizes() : c10::IntArrayRef{});
   TORCH_CHECK(!backwardSinceStep_, "zeroshard: engine.backward() called twice without engine.step() between; "
                                    "call engine.step() after every backward, as with DeepSpeed");
+  const TimedPhase timed(stepLog_, StepPhase::kBackward);
+  if (stepLog_.prints()) lastLoss_ = loss.detach();
   const int64_t accumulation = batchSizes_.accumulationSteps;
   reducer_->beginBackward(isAccumulationBoundary());
   try {
@@ -148,6 +153,16 @@ bool Engine::step() {
   if (microSteps_ % batchSizes_.accumulationSteps != 0) {
     return false;
   }
+  bool taken = false;
+  {
+    const TimedPhase timed(stepLog_, StepPhase::kStep);
+    taken = takeStep();
+  }
+  logBoundary();
+  return taken;
+}
+
+bool Engine::takeStep() {
   optimizer_.prepareGrads();
   if (scaler_) {
     const bool overflow = overflowed();
@@ -164,6 +179,7 @@ bool Engine::step() {
   optimizer_.step();
   masters_->pushToParams(buckets_);
   params_->afterStep();
+  if (schedule_) applySchedule(schedule_->step());
   finishStep();
   return true;
 }
@@ -243,15 +259,6 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
   return out;
 }
 
-void Engine::setLearningRate(double lr, int group) {
-  TORCH_CHECK(lr >= 0, "zeroshard: learning rate must be >= 0, got ", lr);
-  TORCH_CHECK(group >= -1 && group < optimizer_.numGroups(), "zeroshard: param group ", group,
-              " does not exist (", optimizer_.numGroups(), " groups)");
-  for (int g = 0; g < optimizer_.numGroups(); ++g) {
-    if (group == -1 || group == g) optimizer_.hyper(g).lr = lr;
-  }
-}
-
 void Engine::setModuleState(ModuleState state) {
   checkModuleState(state, buckets_);
   moduleState_ = std::move(state);
@@ -264,7 +271,7 @@ void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Ten
 CheckpointedState Engine::checkpointedState() {
   return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
           optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, batchSizes_.accumulationSteps, microSteps_,
-          skippedSteps_};
+          skippedSteps_, schedule_ ? &*schedule_ : nullptr};
 }
 
 void Engine::checkBetweenSteps(const char* call) const {
@@ -286,13 +293,12 @@ LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::strin
   masters_->pushToParams(buckets_);
   params_->afterStep();
   zeroGrads();
+  // The schedule owns the lr (LoadOptions::loadSchedulerState): the saved groups' values
+  // stand only when they came with the schedule state they belong to.
+  if (schedule_ && schedule_->current() && !(loaded.schedulerStateLoaded && options.optimizerStates)) {
+    applySchedule(*schedule_->current());
+  }
   return loaded;
-}
-
-double Engine::learningRate(int group) {
-  TORCH_CHECK(group >= 0 && group < optimizer_.numGroups(), "zeroshard: param group ", group,
-              " does not exist (", optimizer_.numGroups(), " groups)");
-  return optimizer_.hyper(group).lr;
 }
 
 } // namespace zeroshard

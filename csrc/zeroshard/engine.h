@@ -18,12 +18,14 @@
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/optim/loss_scaler.h"
+#include "zeroshard/optim/lr_schedule.h"
 #include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/master_weights.h"
 #include "zeroshard/optim/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/stage3/unit_builder.h"
 #include "zeroshard/stage3/unit_scheduler.h"
+#include "zeroshard/step_log.h"
 
 #include <functional>
 #include <memory>
@@ -168,15 +170,46 @@ class Engine {
   bool save16bitModel(const std::string& dir, const std::string& filename = "model.safetensors",
                       const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
 
-  // Sets lr of one param group, or of all with group = -1 (for schedulers).
+  // Learning rates (engine_schedule.cpp). With a config "scheduler" the schedule owns every
+  // group's lr (and, for OneCycle, betas): it puts its start values in at construction and is
+  // stepped right after each optimizer step taken at an accumulation boundary (not after an
+  // fp16 step skipped for an overflow), as DeepSpeed's engine steps its lr_scheduler
+  // (optim/lr_schedule.h, Note [schedule semantics]). Without one, the lr is the config's or
+  // the group's until setLearningRate changes it (a client-side scheduler).
+  //
+  // Sets lr of one param group, or of all with group = -1. Refused while a config schedule
+  // owns the lr, so that two schedules never fight over it.
   void setLearningRate(double lr, int group = -1);
-  double learningRate(int group = 0);
+  double learningRate(int group = 0) const;
+  // Every group's lr, and (beta1, beta2), as the next optimizer step uses them.
+  std::vector<double> learningRates() const;
+  std::vector<std::pair<double, double>> betas() const;
+  // The config's schedule, or nullptr without one.
+  const LrSchedule* lrSchedule() const { return schedule_ ? &*schedule_ : nullptr; }
+  // DeepSpeed's lr_scheduler.load_state_dict: the schedule continues from `lastBatchIteration`;
+  // the groups keep their values until its next step. Throws without a config schedule.
+  void loadLrScheduleState(int64_t lastBatchIteration);
+
+  // Logging (engine_log.cpp, step_log.h): rank 0 prints a line every steps_per_print
+  // boundaries; with wall_clock_breakdown it adds forward / backward / step / communication
+  // milliseconds. setLogSink gets each line without prefix (an empty function: stdout, prefixed
+  // "zeroshard: "). beginForward()/endForward() bracket the model's forward for its timing
+  // (the Python Engine's __call__ does; C++ programs call them); without breakdown they only
+  // read a clock, and only on rank 0.
+  void setLogSink(std::function<void(const std::string&)> sink);
+  void beginForward();
+  void endForward();
 
  private:
   void registerShards();
+  bool takeStep();  // the optimizer step at a boundary; false when fp16 skipped it
   void clipGradients();
   bool overflowed();
   void finishStep();
+  void initSchedule();
+  void applySchedule(const std::vector<ScheduledValues>& values);
+  void logBoundary();
+  void syncComputeDevice();
   void zeroGrads();
   CheckpointedState checkpointedState();
   void checkBetweenSteps(const char* call) const;
@@ -184,6 +217,9 @@ class Engine {
   Config config_;
   Communicator comm_;
   ShardingPlan plan_;
+  StepLog stepLog_;
+  at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
+  std::optional<LrSchedule> schedule_;
   at::ScalarType computeDtype_ = at::kFloat;
   std::optional<LossScaler> scaler_;
   int64_t skippedSteps_ = 0;

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from zeroshard import _C, auto as _auto, stage3
 from zeroshard._warnings import warn_at_caller
+from zeroshard.logs import wire_logging
 from zeroshard.optimizer_view import EngineOptimizer
 
 def _load_config(config):
@@ -93,7 +94,11 @@ class Engine:
         self._client_scheduler = lr_scheduler is not None
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self._core.begin_forward()  # wall_clock_breakdown's forward time
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._core.end_forward()
 
     forward = __call__
 
@@ -222,7 +227,7 @@ class Engine:
 
         self._refresh_module_state()
         path, _tag, _blob = self._core.load_checkpoint(os.fspath(load_dir), tag or "", "", load_optimizer_states,
-                                                       unpickle)
+                                                       unpickle, load_lr_scheduler_states=load_lr_scheduler_states)
         if self.optimizer is not None:
             self.optimizer.pull()
         if self._client_scheduler and load_lr_scheduler_states and scheduler_state is not None:
@@ -312,6 +317,7 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
             raise TypeError("zeroshard.initialize: lr_scheduler must be a scheduler (with step()) or a callable "
                             f"taking the optimizer, not {type(lr_scheduler).__name__}")
         lr_scheduler = lr_scheduler(optimizer)
+    wire_logging(core)
     return Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler)
 
 

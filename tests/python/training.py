@@ -103,8 +103,10 @@ class AdamWReference:
             self.optimizer = torch.optim.AdamW(groups or self.trained, lr=lr, weight_decay=weight_decay)
 
     def set_lr(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """lr: one value for every param group, or a list of one per group."""
+        lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr] * len(self.optimizer.param_groups)
+        for group, value in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = value
 
     def step(self, batch):
         """One optimizer step on `batch`; returns its loss."""

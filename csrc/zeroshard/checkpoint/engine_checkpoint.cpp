@@ -87,6 +87,7 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
   m.boundaries = boundaries;
   m.skippedSteps = s.skippedSteps;
   if (s.scaler) m.lossScaler = s.scaler->state();
+  if (s.schedule) m.lrSchedule = SavedSchedule{s.schedule->type(), s.schedule->lastBatchIteration()};
   m.configJson = s.config.toJsonString();
   for (int g = 0; g < s.optimizer.numGroups(); ++g) m.groups.push_back(s.optimizer.hyper(g));
   for (size_t b = 0; b < s.buckets.size(); ++b) {
@@ -303,7 +304,19 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     s.skippedSteps = m.skippedSteps;
     s.microSteps = m.boundaries * s.accumulationSteps;
   }
-  return {reader->path(), m.tag, clientState};
+  LoadedCheckpoint loaded{reader->path(), m.tag, clientState};
+  if (s.schedule && options.loadSchedulerState && m.lrSchedule) {
+    // As DeepSpeed's schedulers, whose state_dict is the iteration alone: it is taken whatever
+    // the saved type, which only a person can judge.
+    if (m.lrSchedule->type != s.schedule->type()) {
+      TORCH_WARN("zeroshard checkpoint '", m.tag, "': saved with scheduler ", m.lrSchedule->type,
+                 ", resumed with ", s.schedule->type(), "; its last_batch_iteration (",
+                 m.lrSchedule->lastBatchIteration, ") is taken as it is");
+    }
+    s.schedule->restore(m.lrSchedule->lastBatchIteration);
+    loaded.schedulerStateLoaded = true;
+  }
+  return loaded;
 }
 
 } // namespace zeroshard

@@ -11,6 +11,7 @@
 #include "zeroshard/layout/bucket.h"
 #include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/loss_scaler.h"
+#include "zeroshard/optim/lr_schedule.h"
 #include "zeroshard/optim/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
 
@@ -44,12 +45,19 @@ struct LoadOptions {
   // is this rank's error (the load then fails on every rank and changes nothing). The Python
   // layer unpickles the client state here, so that it is read once.
   std::function<std::string(const std::string& clientState)> checkClientState;
+  // The config's learning-rate schedule takes the saved last_batch_iteration (DeepSpeed's
+  // load_lr_scheduler_states). false, or a checkpoint without one (saved without a schedule,
+  // or by an older zeroshard): the schedule keeps its own. Either way the schedule owns the
+  // lr: unless both it and the optimizer states were loaded, its current values are put into
+  // the param groups after the load (docs/config.md, "Learning-rate schedules").
+  bool loadSchedulerState = true;
 };
 
 struct LoadedCheckpoint {
   std::string path;         // the checkpoint directory read
   std::string tag;
   std::string clientState;  // what save_checkpoint was given (empty if nothing)
+  bool schedulerStateLoaded = false;  // the schedule took the checkpoint's last_batch_iteration
 };
 
 // The module state of a model from its state dict (every name, in order): a trained parameter
@@ -76,6 +84,7 @@ struct CheckpointedState {
   int64_t accumulationSteps;
   int64_t& microSteps;  // a multiple of accumulationSteps: checkpoints are between steps
   int64_t& skippedSteps;
+  LrSchedule* schedule;  // none without a config "scheduler"
 };
 
 // Collective and blocking. Returns the published checkpoint's path; `tag` empty means
@@ -84,8 +93,9 @@ struct CheckpointedState {
 std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
                            const std::string& clientState, const std::string& rankError);
 // Collective and blocking; `tag` empty: the `latest` one. Everything is read and checked before
-// anything changes, on every rank; then the master weights, AdamW state, counters, loss scale
-// and module state are written. The caller then makes the parameters follow the masters.
+// anything changes, on every rank; then the master weights, AdamW state, counters, loss scale,
+// module state and schedule state are written. The caller then makes the parameters follow the
+// masters (and the param groups follow the schedule, LoadOptions::loadSchedulerState).
 LoadedCheckpoint loadCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
                                 const LoadOptions& options);
 

@@ -58,6 +58,11 @@ Json bodyJson(const CheckpointManifest& m) {
   } else {
     j["loss_scaler"] = nullptr;
   }
+  if (m.lrSchedule) {
+    j["lr_scheduler"] = {{"type", m.lrSchedule->type}, {"last_batch_iteration", m.lrSchedule->lastBatchIteration}};
+  } else {
+    j["lr_scheduler"] = nullptr;
+  }
   j["config"] = Json::parse(m.configJson);
   j["param_groups"] = Json::array();
   for (const auto& g : m.groups) j["param_groups"].push_back(hyperJson(g));
@@ -99,6 +104,13 @@ CheckpointManifest fromBody(const Json& j) {
     const auto& s = j.at("loss_scaler");
     m.lossScaler = LossScaler::State{s.at("scale").get<double>(), s.at("hysteresis_left").get<int64_t>(),
                                      s.at("iteration").get<int64_t>(), s.at("last_overflow_iteration").get<int64_t>()};
+  }
+  // Checkpoints written before schedules were saved have no "lr_scheduler".
+  if (j.contains("lr_scheduler") && !j.at("lr_scheduler").is_null()) {
+    const auto& s = j.at("lr_scheduler");
+    m.lrSchedule = SavedSchedule{s.at("type").get<std::string>(), s.at("last_batch_iteration").get<int64_t>()};
+    TORCH_CHECK(m.lrSchedule->lastBatchIteration >= -1, "lr_scheduler.last_batch_iteration is ",
+                m.lrSchedule->lastBatchIteration, " (it is -1 or more)");
   }
   m.configJson = j.at("config").dump();
   for (const auto& g : j.at("param_groups")) {

@@ -56,6 +56,13 @@ struct SavedTensor {
   at::ScalarType dtype = at::kFloat;
 };
 
+// The learning-rate schedule's state (DeepSpeed's state_dict: last_batch_iteration), with its
+// type for people and for a warning when a run resumes under another type.
+struct SavedSchedule {
+  std::string type;
+  int64_t lastBatchIteration = -1;
+};
+
 struct CheckpointManifest {
   int formatVersion = kCheckpointFormatVersion;
   std::string tag;
@@ -66,6 +73,7 @@ struct CheckpointManifest {
   int64_t boundaries = 0;   // accumulation boundaries passed (steps taken + fp16 steps skipped)
   int64_t skippedSteps = 0;
   std::optional<LossScaler::State> lossScaler;
+  std::optional<SavedSchedule> lrSchedule;  // "lr_scheduler"; absent in older checkpoints
   std::string configJson;  // the config the run used, for people and tools
   std::vector<AdamWHyper> groups;
   std::vector<SavedBuffer> buffers;

@@ -49,11 +49,13 @@ CommHandle::CommHandle(
     c10::intrusive_ptr<c10d::Work> work,
     std::function<void()> onComplete,
     std::string description,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    WaitNanos waitNanos)
     : work_(std::move(work)),
       onComplete_(std::move(onComplete)),
       description_(std::move(description)),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      waitNanos_(std::move(waitNanos)) {}
 CommHandle::CommHandle(CommHandle&&) noexcept = default;
 CommHandle& CommHandle::operator=(CommHandle&&) noexcept = default;
 CommHandle::~CommHandle() = default;
@@ -71,6 +73,7 @@ void CommHandle::wait() {
     return;
   }
   auto work = std::move(work_);
+  const auto start = std::chrono::steady_clock::now();
   try {
     // Note [stream-ordered wait]: on a GPU, c10d's Work::wait() with no timeout only makes the
     // current stream wait for the collective's stream, and the host goes on queueing compute;
@@ -89,6 +92,11 @@ void CommHandle::wait() {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "zeroshard: ", description_, " failed: ", e.what(),
                 " (A peer rank may have exited or stalled; its own log holds the first error.)");
+  }
+  if (waitNanos_) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    waitNanos_->fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count(),
+                          std::memory_order_relaxed);
   }
   if (onComplete_) {
     auto onComplete = std::move(onComplete_);
@@ -169,7 +177,8 @@ CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& fl
 #else
   auto work = group_->_allgather_base(out, in, opts);
 #endif
-  return CommHandle(std::move(work), {}, describe(CollectiveKind::kAllGather, flat), hostWaitTimeout(flat));
+  return CommHandle(std::move(work), {}, describe(CollectiveKind::kAllGather, flat), hostWaitTimeout(flat),
+                    waitNanos_);
 }
 
 CommHandle Communicator::allGatherPieces(const at::Tensor& piece, const std::vector<at::Tensor>& pieces) {
@@ -193,7 +202,7 @@ CommHandle Communicator::allGatherPieces(const at::Tensor& piece, const std::vec
   std::ostringstream what;
   what << "all_gather of " << bytes << " bytes in " << worldSize_ << " pieces of " << piece.numel() << " x "
        << piece.scalar_type() << " on rank " << rank_ << " of " << worldSize_ << " (" << backendName() << ")";
-  return CommHandle(std::move(work), {}, what.str(), hostWaitTimeout(piece));
+  return CommHandle(std::move(work), {}, what.str(), hostWaitTimeout(piece), waitNanos_);
 }
 
 CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor& shard, double scale) {
@@ -210,7 +219,7 @@ CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor&
   auto work = group_->_reduce_scatter_base(out, in, opts);
 #endif
   return CommHandle(std::move(work), scaleAfter(shard, scale), describe(CollectiveKind::kReduceScatter, flat),
-                    hostWaitTimeout(flat));
+                    hostWaitTimeout(flat), waitNanos_);
 }
 
 CommHandle Communicator::allReduce(const at::Tensor& tensor, double scale) {
@@ -222,7 +231,7 @@ CommHandle Communicator::allReduce(const at::Tensor& tensor, double scale) {
   opts.timeout = timeout_;
   auto work = group_->allreduce(tensors, opts);
   return CommHandle(std::move(work), scaleAfter(tensor, scale), describe(CollectiveKind::kAllReduce, tensor),
-                    hostWaitTimeout(tensor));
+                    hostWaitTimeout(tensor), waitNanos_);
 }
 
 CommHandle Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -235,7 +244,8 @@ CommHandle Communicator::broadcast(const at::Tensor& tensor, int root) {
   opts.rootRank = root;
   opts.timeout = timeout_;
   auto work = group_->broadcast(tensors, opts);
-  return CommHandle(std::move(work), {}, describe(CollectiveKind::kBroadcast, tensor), hostWaitTimeout(tensor));
+  return CommHandle(std::move(work), {}, describe(CollectiveKind::kBroadcast, tensor), hostWaitTimeout(tensor),
+                    waitNanos_);
 }
 
 } // namespace zeroshard

@@ -10,9 +10,11 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,16 +52,22 @@ class CommStats {
   std::array<CollectiveCount, kNumCollectiveKinds> counts_{};
 };
 
+// Nanoseconds the host spent blocked in CommHandle::wait(), summed over every handle of one
+// Communicator. Shared with the handles, so a handle may outlive (a move of) its Communicator.
+using WaitNanos = std::shared_ptr<std::atomic<int64_t>>;
+
 // One collective in flight. wait() may be called once; later calls return at once.
 class CommHandle {
  public:
   CommHandle();
   // `timeout` bounds a host wait; 0 makes wait() stream-ordered (Note [stream-ordered wait]).
+  // `waitNanos`, when given, gets the host time wait() blocks.
   CommHandle(
       c10::intrusive_ptr<c10d::Work> work,
       std::function<void()> onComplete,
       std::string description,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      WaitNanos waitNanos = nullptr);
   CommHandle(CommHandle&&) noexcept;
   CommHandle& operator=(CommHandle&&) noexcept;
   ~CommHandle();
@@ -77,6 +85,7 @@ class CommHandle {
   std::function<void()> onComplete_;
   std::string description_;
   std::chrono::milliseconds timeout_{0};
+  WaitNanos waitNanos_;
 };
 
 class Communicator {
@@ -113,6 +122,13 @@ class Communicator {
   void resetStats() { stats_.reset(); }
   // Puts back counts taken earlier (work that is not to be counted, e.g. checkpoints).
   void restoreStats(const CommStats& stats) { stats_ = stats; }
+  // Host time blocked in the waits of this communicator's collectives since it was made, in
+  // nanoseconds (wall_clock_breakdown's "communication"). With CUDA tensors a wait only orders
+  // the stream (Note [stream-ordered wait]), so it counts the host-blocking waits alone.
+  int64_t waitNanos() const { return waitNanos_ ? waitNanos_->load(std::memory_order_relaxed) : 0; }
+  void setWaitNanos(int64_t nanos) {
+    if (waitNanos_) waitNanos_->store(nanos, std::memory_order_relaxed);
+  }
 
  private:
   std::string describe(CollectiveKind kind, const at::Tensor& tensor) const;
@@ -125,20 +141,26 @@ class Communicator {
   int worldSize_ = 1;
   std::chrono::milliseconds timeout_;
   CommStats stats_;
+  WaitNanos waitNanos_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
-// While alive, the collectives of `comm` are not counted: they are not training traffic (a
-// checkpoint, a full state dict), and commStats() goes on describing steps.
+// While alive, the collectives of `comm` are not counted, nor their waits timed: they are not
+// training traffic (a checkpoint, a full state dict), and commStats() goes on describing steps.
 class UncountedCollectives {
  public:
-  explicit UncountedCollectives(Communicator& comm) : comm_(comm), saved_(comm.stats()) {}
-  ~UncountedCollectives() { comm_.restoreStats(saved_); }
+  explicit UncountedCollectives(Communicator& comm)
+      : comm_(comm), saved_(comm.stats()), savedWaitNanos_(comm.waitNanos()) {}
+  ~UncountedCollectives() {
+    comm_.restoreStats(saved_);
+    comm_.setWaitNanos(savedWaitNanos_);
+  }
   UncountedCollectives(const UncountedCollectives&) = delete;
   UncountedCollectives& operator=(const UncountedCollectives&) = delete;
 
  private:
   Communicator& comm_;
   CommStats saved_;
+  int64_t savedWaitNanos_;
 };
 
 } // namespace zeroshard

@@ -52,6 +52,7 @@ class ShardedAdamW {
 
   int numGroups() const { return static_cast<int>(groups_.size()); }
   AdamWHyper& hyper(int group) { return groups_.at(group).hyper; }
+  const AdamWHyper& hyper(int group) const { return groups_.at(group).hyper; }
   int64_t stepCount() const { return steps_; }
   // Checkpoints: the state of one registered shard (the tensors themselves, written in place
   // on load), and the step count every shard's bias correction uses.

@@ -125,6 +125,7 @@ def config_schedule_round_trip(directory):
     run_micro_steps(engine, batches[:2 * GAS])
     engine.save_checkpoint(directory)
     out["at save"] = engine.get_lr()
+    out["scheduler at save"] = (scheduler.get_lr(), scheduler.state_dict())
     out["trained"] = run_micro_steps(engine, batches[2 * GAS:])
     torch.manual_seed(1)
     engine, *_ = deepspeed.initialize(model=LanguageModel(), config=ds_config(2))

@@ -214,6 +214,8 @@ def test_the_config_schedule_resumes_from_a_checkpoint_where_it_was(behaviours):
         assert schedule["before"] == pytest.approx([warmup_decay_lr(0)])
         assert schedule["at save"] == schedule["at load"] == pytest.approx([warmup_decay_lr(2)])
         assert schedule["global_steps"] == 2
+        lrs, state = schedule["scheduler at save"]
+        assert lrs == pytest.approx([warmup_decay_lr(2)]) and state == {"last_batch_iteration": 1}
         # The same lrs (warmup end, then decay) and losses as the run that went on.
         lrs = [lr for (lr,) in schedule["trained"][1]]
         assert lrs == pytest.approx([warmup_decay_lr(2 + m // GAS) for m in range(2 * GAS)])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from zeroshard import _C, auto as _auto, stage3
 from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
+from zeroshard.lr_schedule import ConfigSchedule
 from zeroshard.optimizer_view import EngineOptimizer
 
 def _load_config(config):
@@ -318,7 +319,10 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
                             f"taking the optimizer, not {type(lr_scheduler).__name__}")
         lr_scheduler = lr_scheduler(optimizer)
     wire_logging(core)
-    return Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler)
+    engine = Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler)
+    if lr_scheduler is None and cfg.scheduler.enabled:
+        engine.lr_scheduler = ConfigSchedule(core)  # stepped in C++, shown as DeepSpeed's object
+    return engine
 
 
 # With a scheduler passed to initialize, the saved client state is a dict of these two keys.

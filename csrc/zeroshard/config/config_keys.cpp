@@ -133,15 +133,17 @@ const std::vector<SchedulerParamSpec>* schedulerParams(std::string_view type) {
       {"decay_mom_rate", K::Number, 0.0},
       {"last_batch_iteration", K::Iteration, -1},
   };
+  // WarmupLR's warmup_max_lr defaults to None: each group's own lr. WarmupDecayLR's to 0.001.
   static const std::vector<SchedulerParamSpec> warmup = {
       {"warmup_min_lr", K::Number, 0.0},
-      {"warmup_max_lr", K::Number, 0.001},
+      {"warmup_max_lr", K::Number, std::nullopt, true},
       {"warmup_num_steps", K::Steps, 1000},
       {"warmup_type", K::WarmupType, std::nullopt},
       {"last_batch_iteration", K::Iteration, -1},
   };
   static const std::vector<SchedulerParamSpec> warmupDecay = [] {
     std::vector<SchedulerParamSpec> specs = warmup;
+    specs[1] = {"warmup_max_lr", K::Number, 0.001};
     specs.insert(specs.begin(), {"total_num_steps", K::Steps, std::nullopt});
     return specs;
   }();

@@ -437,7 +437,8 @@ void ConfigReader::readOffload(const Json& o, const std::string& path) {
   }
   if (*device != "none") {
     config_.warnings.push_back("\"" + path + "\" is a DeepSpeed key zeroshard does not implement yet; it is "
-                               "ignored: device \"" + device->get<std::string>() + "\" asks for offload, "
+                               "ignored: \"" + join(path, "device") + "\": \"" + device->get<std::string>() +
+                               "\" asks for offload, "
                                "and every state stays on the device");
   }
 }

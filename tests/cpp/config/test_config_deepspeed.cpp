@@ -162,7 +162,8 @@ TEST_CASE("offload device none is silent and cpu or nvme warn", "[config]") {
   const Config cpu = Config::fromJsonString(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
   REQUIRE(cpu.warnings.size() == 1);
   REQUIRE(missing(cpu.warnings[0], "\"zero_optimization.offload_optimizer\" is a DeepSpeed key zeroshard does not "
-                                   "implement yet; it is ignored: device \"cpu\" asks for offload") == "");
+                                   "implement yet; it is ignored: \"zero_optimization.offload_optimizer.device\": \"cpu\" "
+                                   "asks for offload") == "");
   REQUIRE(missing(errorOf(R"({"zero_optimization": {"offload_param": {"device": "gpu"}}})"),
                   "zero_optimization.offload_param.device: must be \"none\", \"cpu\" or \"nvme\", got string \"gpu\"") == "");
 }
@@ -190,6 +191,11 @@ TEST_CASE("the scheduler takes DeepSpeed's five types with their parameters and 
   CHECK(c.scheduler.param("last_batch_iteration") == -1);
   CHECK(c.scheduler.warmupType == "linear");
   CHECK_THROWS_AS(c.scheduler.param("cycle_min_lr"), std::out_of_range);
+  // WarmupLR's warmup_max_lr has no default (None: each group's own lr); WarmupDecayLR's is 0.001.
+  CHECK_THROWS_AS(Config::fromJsonString(R"({"scheduler": {"type": "WarmupLR"}})").scheduler.param("warmup_max_lr"),
+                  std::out_of_range);
+  CHECK(Config::fromJsonString(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5}}})")
+            .scheduler.param("warmup_max_lr") == 0.001);
 
   const Config one = Config::fromJsonString(
       R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,

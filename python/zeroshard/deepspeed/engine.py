@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from zeroshard._warnings import warn_at_caller
-from zeroshard.deepspeed.schedule import config_schedule_of
 
 # Where the drop-in keeps DeepSpeed's counters inside zeroshard's client state.
 _STATE_KEY = "zeroshard.deepspeed"
@@ -27,7 +26,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._group = group
         self.config = config  # the config dict, as DeepSpeed's engine.config
         self.optimizer = engine.optimizer
-        self.lr_scheduler = config_schedule_of(engine)
+        self.lr_scheduler = engine.lr_scheduler
         self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.global_samples = 0

@@ -98,7 +98,7 @@ def move_scheduler(scheduler, client_optimizer, engine_optimizer):
     """A scheduler the script built on its own optimizer before initialize() (the usual
     `get_linear_schedule_with_warmup(optimizer, ...)`) drives engine.optimizer instead: in
     DeepSpeed the client optimizer's param_groups are the engine's, here they are copies."""
-    if scheduler is None or getattr(scheduler, "optimizer", None) is not client_optimizer:
+    if scheduler is None or client_optimizer is None or getattr(scheduler, "optimizer", None) is not client_optimizer:
         return
     if len(client_optimizer.param_groups) != len(engine_optimizer.param_groups):
         raise ValueError("zeroshard.deepspeed.initialize: the lr_scheduler was built on an optimizer with "

@@ -57,7 +57,8 @@ def run(backend, config_path, steps, world, directory, timeout):
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise SystemExit(f"{backend} run failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
+        raise SystemExit(f"{backend} run failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+                         f"{done.stderr[-6000:]}")
     record = torch.load(out)
     record["wall"] = time.perf_counter() - started
     return record

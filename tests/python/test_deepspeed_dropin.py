@@ -175,7 +175,8 @@ def test_a_client_adamw_and_its_scheduler_are_taken_over(behaviours):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, client_schedule)
     losses, lrs = [], []
     for step in range(4):
-        tokens = torch.cat([behaviours[r]["batches"][m] for r in range(WORLD) for m in range(step * GAS, (step + 1) * GAS)])
+        window = range(step * GAS, (step + 1) * GAS)
+        tokens = torch.cat([behaviours[r]["batches"][m] for r in range(WORLD) for m in window])
         lrs.append([g["lr"] for g in optimizer.param_groups])
         optimizer.zero_grad()
         loss = model(tokens)

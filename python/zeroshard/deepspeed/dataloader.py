@@ -19,7 +19,8 @@ class DeepSpeedDataLoader:
                  num_local_io_workers=None, data_sampler=None):
         if not ((hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
                 or isinstance(dataset, torch.utils.data.IterableDataset)):
-            raise ValueError(f"zeroshard.deepspeed: training_data must be a torch Dataset, not {type(dataset).__name__}")
+            raise ValueError("zeroshard.deepspeed: training_data must be a torch Dataset, "
+                             f"not {type(dataset).__name__}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn

@@ -1,0 +1,142 @@
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroshard/config/config_reader_impl.h"
+
+namespace zeroshard::detail {
+
+void ConfigReader::readExtras(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("zeroshard"));
+  ZeroshardExtras& extras = config_.extras;
+  readNumber(o, path, "collective_timeout_seconds", kPositive, extras.collectiveTimeoutSeconds);
+  readBool(o, path, "reshard_after_forward", extras.reshardAfterForward);
+  readInt(o, path, "max_inflight_reductions", kPositiveInt, extras.maxInflightReductions);
+  if (const Json* checkpoint = object(o, path, "checkpoint")) {
+    const std::string checkpointPath = join(path, "checkpoint");
+    checkKeys(*checkpoint, checkpointPath, configSection("zeroshard.checkpoint"));
+    readInt(*checkpoint, checkpointPath, "keep_last", kNonNegativeInt, extras.checkpointKeepLast);
+  }
+  if (const Json* value = member(o, "reduce_dtype"); value != nullptr && !takeAuto(*value, join(path, "reduce_dtype"))) {
+    if (!value->is_string() || (*value != "compute" && *value != "fp32")) {
+      fail(join(path, "reduce_dtype") + ": must be \"compute\" or \"fp32\", got " + describe(*value));
+    }
+    extras.reduceDtype = value->get<std::string>();
+  }
+  if (const Json* classes = member(o, "stage3_unit_classes")) {
+    const std::string where = join(path, "stage3_unit_classes");
+    if (!classes->is_array()) fail(where + ": must be a list of module class names, got " + describe(*classes));
+    for (const auto& name : *classes) {
+      if (!name.is_string() || name.get<std::string>().empty()) {
+        fail(where + ": every entry must be a non-empty class name string, got " + describe(name));
+      }
+      extras.unitClasses.push_back(name.get<std::string>());
+    }
+  }
+}
+
+// DeepSpeed's AutoTP training config. zeroshard shards data-parallel only, so a tensor-parallel
+// size above 1 would train a different layout than asked: an error, not a warning.
+void ConfigReader::readTensorParallel(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("tensor_parallel"));
+  auto checkSize = [&](const Json& parent, const std::string& parentPath, const char* key) {
+    int64_t size = 1;
+    readInt(parent, parentPath, key, kNonNegativeInt, size);
+    if (size > 1) {
+      fail(join(parentPath, key) + ": zeroshard does not implement tensor parallelism (it shards "
+           "parameters, gradients and optimizer state over data-parallel ranks), so the size must "
+           "be 0 or 1 or left out, got " + std::to_string(size));
+    }
+  };
+  checkSize(o, path, "autotp_size");
+  const std::string tpKey = aliased(o, path, "tp", "tensor_parallel");
+  if (const Json* tp = object(o, path, tpKey)) {
+    const std::string tpPath = join(path, tpKey);
+    checkKeys(*tp, tpPath, configSection("tensor_parallel.tp"));
+    checkSize(*tp, tpPath, "tp_size");
+  }
+}
+
+void ConfigReader::readScheduler(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("scheduler"));
+  const Json* type = member(o, "type");
+  const std::string typePath = join(path, "type");
+  std::string names;
+  for (std::string_view t : schedulerTypes()) names += (names.empty() ? "" : ", ") + std::string(t);
+  if (type == nullptr || type->is_null()) {
+    if (member(o, "params") != nullptr) fail(typePath + ": is needed with scheduler.params; one of " + names);
+    return;  // DeepSpeed: no type, no scheduler
+  }
+  if (!type->is_string() || schedulerParams(type->get<std::string>()) == nullptr) {
+    fail(typePath + ": must be one of DeepSpeed's schedules " + names + ", got " + describe(*type));
+  }
+  SchedulerConfig& scheduler = config_.scheduler;
+  scheduler.type = type->get<std::string>();
+  const std::vector<SchedulerParamSpec>& specs = *schedulerParams(scheduler.type);
+  const std::string paramsPath = join(path, "params");
+  const Json* params = object(o, path, "params");
+  const Json empty = Json::object();
+  if (params == nullptr) params = &empty;
+  for (const auto& [key, value] : params->items()) {
+    const auto spec = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.key == key; });
+    if (spec == specs.end()) {
+      std::string known;
+      for (const auto& s : specs) known += (known.empty() ? "" : ", ") + std::string(s.key);
+      fail("unknown key \"" + join(paramsPath, key) + "\": " + scheduler.type + " takes " + known);
+    }
+    readSchedulerParam(value, join(paramsPath, key), *spec);
+  }
+  for (const auto& spec : specs) {
+    const bool written = member(*params, std::string(spec.key)) != nullptr;
+    if (!written && !spec.defaultValue && !spec.nullable && spec.kind != SchedulerParamSpec::Kind::WarmupType) {
+      fail(join(paramsPath, std::string(spec.key)) + ": " + scheduler.type +
+           " needs it (DeepSpeed has no default for it)");
+    }
+  }
+}
+
+void ConfigReader::readSchedulerParam(const Json& value, const std::string& path,
+                                      const SchedulerParamSpec& spec) {
+  using Kind = SchedulerParamSpec::Kind;
+  SchedulerConfig& scheduler = config_.scheduler;
+  const std::string key(spec.key);
+  if (takeAuto(value, path)) return;
+  if (value.is_null()) {
+    if (!spec.nullable) fail(path + ": must be set (null is allowed only where DeepSpeed takes None), got null");
+    return;
+  }
+  switch (spec.kind) {
+    case Kind::Number: scheduler.params[key] = toNumber(value, path, kNonNegative); break;
+    case Kind::Steps: scheduler.params[key] = static_cast<double>(toInt(value, path, kNonNegativeInt)); break;
+    case Kind::Iteration:
+      scheduler.params[key] = static_cast<double>(toInt(value, path, IntRange{-1, kInt64Max, ">= -1"}));
+      break;
+    case Kind::Bool: scheduler.params[key] = toBool(value, path) ? 1.0 : 0.0; break;
+    case Kind::WarmupType:
+      if (!value.is_string() || (value != "log" && value != "linear")) {
+        fail(path + ": must be \"log\" or \"linear\", got " + describe(value));
+      }
+      scheduler.warmupType = value.get<std::string>();
+      break;
+  }
+}
+
+// offload_optimizer / offload_param: device "none" (DeepSpeed's default) is what zeroshard
+// does; "cpu" and "nvme" are not implemented yet and warn.
+void ConfigReader::readOffload(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection(path));
+  const Json* device = member(o, "device");
+  if (device == nullptr || device->is_null() || takeAuto(*device, join(path, "device"))) return;
+  if (!device->is_string() || (*device != "none" && *device != "cpu" && *device != "nvme")) {
+    fail(join(path, "device") + ": must be \"none\", \"cpu\" or \"nvme\", got " + describe(*device));
+  }
+  if (*device != "none") {
+    config_.warnings.push_back("\"" + path + "\" is a DeepSpeed key zeroshard does not implement yet; it is "
+                               "ignored: \"" + join(path, "device") + "\": \"" + device->get<std::string>() +
+                               "\" asks for offload, "
+                               "and every state stays on the device");
+  }
+}
+
+}  // namespace zeroshard::detail

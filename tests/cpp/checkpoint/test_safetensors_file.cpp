@@ -67,6 +67,9 @@ TEST_CASE("an external safetensors header is checked before it is trusted", "[sa
     CHECK(contains(text, "tensor 'w' in '"));
     CHECK(contains(text, "(F32 [4]) has byte range [0, 16) that does not match its shape or lies outside the "
                          "file's 12 data bytes"));
+    // A range of the shape's length that starts too late.
+    CHECK(contains(openError(writeRaw(dir, R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})", 12)),
+                   "(F32 [2]) has byte range [8, 16) that does not match its shape or lies outside"));
     CHECK(contains(openError(writeRaw(dir, R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}})", 4)),
                    "tensor 'w'"));
   }

@@ -26,7 +26,8 @@ void bindParams(py::module_& m) {
         }
         py::list mismatched;
         for (const auto& m : loaded.mismatched) {
-          mismatched.append(py::make_tuple(m.name, py::tuple(py::cast(m.fileShape)), py::tuple(py::cast(m.modelShape))));
+          mismatched.append(
+              py::make_tuple(m.name, py::tuple(py::cast(m.fileShape)), py::tuple(py::cast(m.modelShape))));
         }
         return py::dict("missing"_a = loaded.missing, "unexpected"_a = loaded.unexpected, "mismatched"_a = mismatched,
                         "files"_a = loaded.files, "param_bytes_read"_a = loaded.paramBytesRead,

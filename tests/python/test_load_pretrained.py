@@ -104,25 +104,28 @@ def _train(model, engine, group, steps=2):
     return losses
 
 
-def _engine(model, group, stage, precision):
+def _engine(model, group, stage, precision, persistence=0):
     import torch.distributed as dist
     import zeroshard
 
-    return zeroshard.initialize(model, _config(dist.get_world_size(group), stage, precision), process_group=group)
+    config = _config(dist.get_world_size(group), stage, precision)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    return zeroshard.initialize(model, config, process_group=group)
 
 
-def _load_case(group, stage, precision, path, file_key):
+def _load_case(group, stage, precision, path, file_key, persistence):
     """Loads `path` into an engine of a differently seeded model, and builds a reference engine the
     ordinary way from the expected weights; trains both two steps."""
     expected = _expected(file_key)
     model = make_stateful_model(1)
-    engine = _engine(model, group, stage, precision)
+    engine = _engine(model, group, stage, precision, persistence)
     loaded = engine.load_pretrained(path)
-    out = {"loaded": loaded, "stats": engine.last_load_stats(), "units": [u["numel"] for u in engine.stage3_units()],
+    out = {"loaded": loaded, "stats": engine.last_load_stats(),
+           "units": [(u["numel"], u["persistent_numel"]) for u in engine.stage3_units()],
            "wrong": _differing(engine.full_state_dict(dtype=torch.float32), expected)}
     reference_model = make_stateful_model(2)
     reference_model.load_state_dict(expected)
-    reference = _engine(reference_model, group, stage, precision)
+    reference = _engine(reference_model, group, stage, precision, persistence)
     # The compute-dtype copies (at stage 3 the shards the next gather reads) are the reference's.
     out["wrong_compute"] = _differing(engine.full_state_dict(), reference.full_state_dict())
     out["losses"] = _train(model, engine, group)
@@ -167,18 +170,21 @@ def _problems(group, files):
 
 
 def _cases(world_size):
+    """(stage, precision, file, stage3_param_persistence_threshold): 100 keeps the biases, norms
+    and `odd` gathered, which every rank then reads whole."""
     if world_size == 4:
-        return [(3, "fp32", "fp32"), (3, "bf16", "bf16")]
-    cases = [(stage, precision, file_key) for stage in STAGES for precision in ("fp32", "bf16")
+        return [(3, "fp32", "fp32", 0), (3, "bf16", "bf16", 0), (3, "bf16", "fp32", 100)]
+    cases = [(stage, precision, file_key, 0) for stage in STAGES for precision in ("fp32", "bf16")
              for file_key in ("fp32", "bf16")]
     if world_size == 2:
-        cases += [(1, "fp16", "fp32"), (3, "fp16", "bf16"), (0, "fp32", "sharded"), (3, "fp32", "index")]
+        cases += [(1, "fp16", "fp32", 0), (3, "fp16", "bf16", 0), (3, "fp32", "bf16", 100),
+                  (0, "fp32", "sharded", 0), (3, "fp32", "index", 0)]
     return cases
 
 
 def _run(group, files, cases):
-    return {case: _load_case(group, *case[:2], files[case[2]], "bf16" if case[2] == "bf16" else "fp32")
-            for case in cases}
+    return {case: _load_case(group, stage, precision, files[key], "bf16" if key == "bf16" else "fp32", persistence)
+            for case in cases for stage, precision, key, persistence in [case]}
 
 
 def _rank_cases(rank, world_size, files):
@@ -240,15 +246,20 @@ def test_at_stage_3_each_rank_reads_exactly_its_slices(runs, world_size):
         units = results[0][case]["units"]
         for rank, r in enumerate(results):
             # Each unit is laid out back to back and padded at its end; rank r holds [r S, (r+1) S).
+            # Persistent parameters are kept whole on every rank.
             held = 0
-            for numel in units:
+            for numel, persistent in units:
                 shard = padded_numel(numel, world_size) // world_size
-                held += max(0, min(numel, (rank + 1) * shard) - rank * shard)
+                held += max(0, min(numel, (rank + 1) * shard) - rank * shard) + persistent
             stats = r[case]["stats"]
             assert stats["param_bytes_read"] == held * element, (rank, case)
             assert stats["module_state_bytes_read"] == module_state, (rank, case)
             assert stats["bytes_read"] == (stats["param_bytes_read"] + module_state + stats["header_bytes_read"])
-        assert sum(r[case]["stats"]["param_bytes_read"] for r in results) == trained, case
+        persistent = sum(p for _, p in units) * element
+        assert persistent > 0 if case[3] else persistent == 0
+        # The ranks together read every parameter once (the persistent ones once each).
+        total = sum(r[case]["stats"]["param_bytes_read"] for r in results)
+        assert total == trained + (world_size - 1) * persistent, case
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -262,7 +273,7 @@ def test_below_stage_3_every_rank_reads_every_parameter_once(runs, world_size):
 
 def test_a_sharded_checkpoint_loads_from_its_directory_and_its_index(runs, files):
     for results in runs(2):
-        for case in ((0, "fp32", "sharded"), (3, "fp32", "index")):
+        for case in ((0, "fp32", "sharded", 0), (3, "fp32", "index", 0)):
             assert [p.rsplit("/", 1)[1] for p in results[case]["stats"]["files"]] == [
                 "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 

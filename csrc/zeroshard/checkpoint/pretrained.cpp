@@ -155,8 +155,8 @@ PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<
       taken.push_back(take(names, p.shape));
       const auto* src = taken.back();
       TORCH_CHECK(src == nullptr || at::isFloatingType(src->entry->dtype), "zeroshard: tensor '", src->entry->name,
-                  "' in '", files.file(src->file).path(), "' is ", src->entry->dtype, ", but the model trains '", p.name,
-                  "' and needs a floating-point value");
+                  "' in '", files.file(src->file).path(), "' is ", src->entry->dtype, ", but the model trains '",
+                  p.name, "' and needs a floating-point value");
     }
   }
   // A module-state tensor under several names (a tied frozen weight) is one piece.

@@ -97,8 +97,9 @@ TEST_CASE("a pretrained path that holds no usable checkpoint is an error naming 
     CHECK(contains(text, "'" + dir / "nothing" + "' does not exist; load_pretrained takes a .safetensors file"));
   }
   SECTION("a directory without either file, or with only torch's format") {
-    CHECK(contains(openError(dir.path().string()), "directory '" + dir.path().string() +
-                                                       "' holds neither model.safetensors nor model.safetensors.index.json"));
+    CHECK(contains(openError(dir.path().string()),
+                   "directory '" + dir.path().string() +
+                       "' holds neither model.safetensors nor model.safetensors.index.json"));
     writeText(dir / "pytorch_model.bin", "x");
     CHECK(contains(openError(dir.path().string()), "pytorch_model.bin is torch.save's format, which is not read"));
   }

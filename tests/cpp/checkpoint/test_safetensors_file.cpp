@@ -85,7 +85,8 @@ TEST_CASE("an external safetensors header is checked before it is trusted", "[sa
   }
   SECTION("an unknown dtype names the tensor") {
     CHECK(contains(openError(writeRaw(dir, R"({"q": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}})", 1)),
-                   "tensor 'q' in '" + dir / "raw.safetensors" + "' has dtype 'F8_E4M3', which zeroshard does not read"));
+                   "tensor 'q' in '" + dir / "raw.safetensors" +
+                       "' has dtype 'F8_E4M3', which zeroshard does not read"));
   }
   SECTION("a missing file, or a directory") {
     CHECK(contains(openError(dir / "none.safetensors"), "cannot open '" + dir / "none.safetensors" + "'"));
@@ -139,7 +140,8 @@ TEST_CASE("element ranges read straight from the file convert every float dtype 
   const int64_t before = file.dataBytesRead();
   file.readFloat(*file.find("big"), 5, bigNumel - 5, bigOut.data());
   CHECK(file.dataBytesRead() - before == (bigNumel - 5) * 2);
-  CHECK(at::equal(at::from_blob(bigOut.data(), {bigNumel - 5}, at::kFloat), big.narrow(0, 5, bigNumel - 5).to(at::kFloat)));
+  CHECK(at::equal(at::from_blob(bigOut.data(), {bigNumel - 5}, at::kFloat),
+                  big.narrow(0, 5, bigNumel - 5).to(at::kFloat)));
 
   // Whole tensors in their own dtype (module state: an integer buffer as it is).
   CHECK(at::equal(file.read(*file.find("count")), at::arange(2, at::kLong).add(7)));

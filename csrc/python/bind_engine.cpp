@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <iterator>
 #include <memory>
+#include <stdexcept>
 #include <string_view>
 
 namespace py = pybind11;
@@ -117,6 +118,30 @@ void bindLogging(EngineClass& engine) {
       .def("end_forward", &Engine::endForward, py::call_guard<py::gil_scoped_release>());
 }
 
+// Meta-device initialisation steps from (name, [parameter names], callable) tuples. Each step
+// is run from C++ without the GIL, so it takes the GIL, and turns a Python exception into a C++
+// one there (its message keeps the Python type and text). The callable is released under the
+// GIL too: the steps are dropped inside the engine's constructor, where the GIL is not held.
+std::vector<InitStep> metaInitSteps(const py::list& steps) {
+  std::vector<InitStep> out;
+  for (const auto& item : steps) {
+    const auto step = item.cast<py::tuple>();
+    std::shared_ptr<py::object> fn(new py::object(step[2]), [](py::object* o) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    });
+    out.push_back(InitStep{step[0].cast<std::string>(), step[1].cast<std::vector<std::string>>(), [fn] {
+                             py::gil_scoped_acquire gil;
+                             try {
+                               (*fn)();
+                             } catch (py::error_already_set& e) {
+                               throw std::runtime_error(e.what());
+                             }
+                           }});
+  }
+  return out;
+}
+
 } // namespace
 
 void bindEngine(py::module_& m) {
@@ -129,6 +154,8 @@ void bindEngine(py::module_& m) {
       },
       "groups"_a, "model_params"_a,
       "Names and checks param groups by the model's parameters (layout/param_groups.h).");
+  m.def("_set_tensor_data", &setTensorData, "tensor"_a, "data"_a,
+        "tensor.data = data, also from the meta device to a real one (layout/bucket.h).");
   m.def(
       "_assign_units",
       [](const std::vector<std::pair<std::string, at::Tensor>>& modelParams, const std::vector<std::string>& names,
@@ -144,7 +171,7 @@ void bindEngine(py::module_& m) {
   py::class_<Engine, HolderWithoutGil<Engine>> engine(m, "Engine");
   engine
       .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
-                       const py::list& units) {
+                       const py::list& units, const std::string& initDevice, const py::list& initSteps) {
              auto specs = groupSpecs(groups);
              std::vector<UnitSpec> unitSpecs;
              for (const auto& item : units) {
@@ -153,14 +180,18 @@ void bindEngine(py::module_& m) {
                                             unit["params"].cast<std::vector<std::string>>(),
                                             unit["root"].cast<bool>()});
              }
+             MetaInit init{at::Device(initDevice), metaInitSteps(initSteps)};
              auto processGroup = c10d::resolve_process_group(groupName);
              // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
              // the last reference to a Python-owned tensor, so it must not be held here.
              py::gil_scoped_release noGil;
-             return HolderWithoutGil<Engine>(
-                 new Engine(std::move(specs), std::move(processGroup), config, std::move(unitSpecs)));
+             return HolderWithoutGil<Engine>(new Engine(std::move(specs), std::move(processGroup), config,
+                                                        std::move(unitSpecs), std::move(init)));
            }),
-           "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list())
+           "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list(), "init_device"_a = "cpu",
+           "init_steps"_a = py::list(),
+           "init_device, init_steps: a model on the meta device (engine.h, MetaInit): steps are "
+           "(name, [parameter names], callable()), run in order.")
       .def("pre_forward", &Engine::preForward, "unit"_a, py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &Engine::postForward, "unit"_a, "outputs"_a,
            py::call_guard<py::gil_scoped_release>())

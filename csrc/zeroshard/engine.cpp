@@ -46,43 +46,77 @@ Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups
   return std::move(resolved.config);
 }
 
+
+// Whether the parameters are on the meta device: all of them, or none (the engine then
+// allocates on MetaInit::device).
+bool onMeta(const std::vector<ParamGroupSpec>& groups) {
+  std::optional<std::string> meta, real;
+  std::string realDevice;
+  for (const auto& g : groups) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      if (!g.params[i].defined()) continue;
+      if (g.params[i].is_meta()) {
+        if (!meta) meta = g.names[i];
+      } else if (!real) {
+        real = g.names[i];
+        realDevice = g.params[i].device().str();
+      }
+    }
+  }
+  TORCH_CHECK(!(meta && real), "zeroshard: parameter '", *meta, "' is on the meta device but '", *real, "' is on ",
+              realDevice, "; build the whole model on the meta device, or none of it");
+  return meta.has_value();
+}
+
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-               Config config, std::vector<UnitSpec> units)
+               Config config, std::vector<UnitSpec> units, MetaInit init)
     : config_(withAutoResolved(std::move(config), groups, *processGroup)),
       comm_(std::move(processGroup), timeoutOf(config_)),
-      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(), deviceOfParamGroups(groups))),
+      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(),
+                                     onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups))),
       stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
                [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParamGroups(groups);
+  const std::optional<at::Device> metaDevice = onMeta(groups) ? std::optional(init.device) : std::nullopt;
   std::vector<UnitPolicy> policies;
   if (plan_.paramsSharded()) {
     auto built = buildStage3Units(groups, std::move(units),
                                   {config_.zero.stage3ParamPersistenceThreshold, config_.extras.reshardAfterForward},
-                                  comm_.rank(), comm_.worldSize(), computeDtype_);
+                                  comm_.rank(), comm_.worldSize(), computeDtype_, metaDevice);
     buckets_ = std::move(built.buckets);
     policies = std::move(built.policies);
     specToUnit_ = std::move(built.unitOf);
     unitInfos_ = std::move(built.infos);
   } else {
-    buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, comm_.rank(), comm_.worldSize(), computeDtype_);
+    buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, comm_.rank(), comm_.worldSize(), computeDtype_,
+                                 metaDevice);
   }
 
-  // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
-  // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
-  std::vector<CommHandle> handles;
-  masters_.emplace(buckets_);
-  for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(comm_.broadcast(masters_->of(buckets_[i], i), 0));
-  for (auto& h : handles) h.wait();
-  masters_->pushToParams(buckets_);
+  if (metaDevice) {
+    // Nothing to broadcast: every rank initialises the same values (engine_init.cpp), into
+    // storage that holds only what it keeps.
+    if (!plan_.paramsSharded()) {
+      for (auto& b : buckets_) b.allocateZeroed();
+    }
+    masters_.emplace(MasterWeights::allocated(buckets_, plan_.optimizerSharded(), comm_.rank()));
+  } else {
+    // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
+    // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
+    std::vector<CommHandle> handles;
+    masters_.emplace(buckets_);
+    for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(comm_.broadcast(masters_->of(buckets_[i], i), 0));
+    for (auto& h : handles) h.wait();
+    masters_->pushToParams(buckets_);
+  }
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
   initSchedule();
-  if (plan_.optimizerSharded()) masters_->shard(buckets_, comm_.rank());
+  if (!metaDevice && plan_.optimizerSharded()) masters_->shard(buckets_, comm_.rank());
   if (plan_.paramsSharded()) {
     auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
                                                  config_.zero.stage3PrefetchBucketSize,
@@ -93,6 +127,9 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     params_ = std::make_unique<ReplicatedParams>(buckets_, comm_, plan_.optimizerSharded(),
                                                  config_.zero.allgatherBucketSize);
   }
+  // Before the gradient hooks: pointing a parameter at a scratch tensor of another dtype resets
+  // its gradient accumulator.
+  if (metaDevice) initFromMeta(init);
   grads_ = GradStorage::forPlan(plan_, buckets_, comm_.rank(),
                                 {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"});
   registerShards();

@@ -68,17 +68,49 @@ struct MemoryStats {
   int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
 };
 
+// A model built on the meta device (its parameters have shapes but no values, e.g. built under
+// torch.device("meta")): the engine allocates only what this rank keeps under the plan, on
+// `device`, and initialises it step by step (engine_init.cpp, docs/design.md "Models on the meta
+// device"). Each step names the trained parameters it writes; during its `run` those are whole
+// fp32 tensors on `device` (every other trained parameter is on the meta device), which it
+// fills in place, e.g. with a module's reset_parameters(). The step's values are then cast and
+// sliced into this rank's storage and freed, so at most one step's parameters exist whole.
+// A step that also writes a parameter it did not name is run again, from the same generator
+// state, with that parameter whole too.
+//
+// Every rank runs every step in order, from rank 0's default generator state (broadcast first),
+// so the weights do not depend on the world size or the stage; they are compared across ranks
+// after the last step (a step that draws differently on some rank is an error naming it).
+struct InitStep {
+  std::string name;  // for errors, e.g. the module's name
+  std::vector<std::string> params;
+  std::function<void()> run;
+};
+struct MetaInit {
+  at::Device device = at::kCPU;
+  std::vector<InitStep> steps;
+};
+
 class Engine {
  public:
   // `units` is used at stage 3 only; empty means one root unit holding every parameter.
+  // `init`: the parameters are on the meta device (all of them, or none); ignored otherwise.
   Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-         Config config, std::vector<UnitSpec> units = {});
+         Config config, std::vector<UnitSpec> units = {}, MetaInit init = {});
   // Every trainable parameter of `model` in one group (defined in engine_module.cpp). At stage 3,
   // `unitModules` names the submodules that are units (e.g. {"blocks.0", "blocks.1"}); unit i is
   // then run through runUnit(i, ...), and the whole forward through runUnit(unitModules.size(),
   // ...) as the root unit (everything else, including parameters shared between units).
   Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
          const std::vector<std::string>& unitModules = {});
+  // A model built with meta tensors: `init(name, module)` is called for every submodule (and the
+  // model itself, name "") that holds parameters or buffers of its own, in named_modules()
+  // order, and fills them in place (its trained parameters are whole fp32 tensors on `device`
+  // during the call). Buffers and frozen parameters on the meta device are first given zeroed
+  // storage on `device`.
+  using ModuleInit = std::function<void(const std::string& name, torch::nn::Module& module)>;
+  Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
+         const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -215,6 +247,7 @@ class Engine {
 
  private:
   void registerShards();
+  void initFromMeta(const MetaInit& init);  // engine_init.cpp
   bool takeStep();  // the optimizer step at a boundary; false when fp16 skipped it
   void clipGradients();
   bool overflowed();

@@ -2,6 +2,7 @@
 // pays for the C++ frontend's headers.
 #include "zeroshard/engine.h"
 
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 
@@ -41,12 +42,50 @@ std::vector<std::pair<std::string, at::Tensor>> stateOf(const torch::nn::Module&
   return out;
 }
 
+// Gives every meta buffer and frozen parameter zeroed storage on `device` (in place: the module
+// keeps its tensors), and makes one step per module that holds parameters or buffers itself.
+MetaInit moduleSteps(torch::nn::Module& model, const Engine::ModuleInit& init, at::Device device) {
+  for (auto& item : model.named_buffers(/*recurse=*/true)) {
+    at::Tensor t = item.value();
+    if (t.is_meta()) setTensorData(t, at::zeros(t.sizes(), t.options().device(device)));
+  }
+  for (auto& item : model.named_parameters(/*recurse=*/true)) {
+    at::Tensor t = item.value();
+    if (t.is_meta() && !t.requires_grad()) setTensorData(t, at::zeros(t.sizes(), t.options().device(device)));
+  }
+  std::unordered_map<const void*, std::string> trained;
+  for (const auto& [name, p] : uniqueParams(model)) {
+    if (p.requires_grad()) trained.emplace(p.unsafeGetTensorImpl(), name);
+  }
+  MetaInit out{device, {}};
+  auto add = [&](const std::string& name, torch::nn::Module& module) {
+    const auto params = module.named_parameters(/*recurse=*/false);
+    if (params.is_empty() && module.named_buffers(/*recurse=*/false).is_empty()) return;
+    InitStep step{name.empty() ? "<model>" : name, {}, [&init, name, &module] { init(name, module); }};
+    for (const auto& item : params) {
+      const auto it = trained.find(item.value().unsafeGetTensorImpl());
+      if (it != trained.end()) step.params.push_back(it->second);
+    }
+    out.steps.push_back(std::move(step));
+  };
+  add("", model);
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) add(item.key(), *item.value());
+  return out;
+}
+
 } // namespace
 
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules)
     : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
              unitSpecs(model, unitModules)) {
+  setModuleStateFrom(stateOf(model));
+}
+
+Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
+               const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device)
+    : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
+             unitSpecs(model, unitModules), moduleSteps(model, init, device)) {
   setModuleStateFrom(stateOf(model));
 }
 

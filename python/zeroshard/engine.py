@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeroshard import _C, auto as _auto, stage3
+from zeroshard import _C, auto as _auto, meta as _meta, stage3
 from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
 from zeroshard.lr_schedule import ConfigSchedule
@@ -301,7 +301,7 @@ class Engine:
         return getattr(self._core, name)
 
 
-def initialize(model, config, process_group=None, param_groups=None, auto=None, lr_scheduler=None):
+def initialize(model, config, process_group=None, param_groups=None, auto=None, lr_scheduler=None, init_fn=None):
     """Wraps `model` for ZeRO training; returns an Engine.
 
     config: a path to a DeepSpeed-style JSON file, a dict, or a zeroshard.Config.
@@ -315,6 +315,11 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
     lr_scheduler: a torch scheduler of engine.optimizer, or a callable taking engine.optimizer and
       returning one; stepped after every optimizer step taken. It replaces the config's
       `scheduler`, as in DeepSpeed.
+    init_fn: for a model built on the meta device (under `with torch.device("meta"):`), which
+      initialize allocates only this rank's share of and initialises module by module:
+      init_fn(module) is called for every module holding parameters or buffers of its own and
+      fills them in place. Default: each module's reset_parameters() (a Hugging Face model's
+      _init_weights). docs/design.md, "Models on the meta device".
     """
     cfg = _load_config(config)
     if process_group is None:
@@ -324,7 +329,16 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
         warn_at_caller(f"zeroshard.initialize: the config's scheduler ({cfg.scheduler.type}) is not used: the "
                        "lr_scheduler passed to initialize replaces it, as in DeepSpeed")
         cfg = _C._without_scheduler(cfg)
+    meta = _meta.on_meta(model)
+    if init_fn is not None and not meta:
+        raise ValueError("zeroshard.initialize: init_fn initialises a model built on the meta device, but this "
+                         f"model's parameters are on {next(model.parameters()).device}: build it under "
+                         "`with torch.device(\"meta\"):`, or initialise it yourself and leave init_fn out")
     groups = _param_groups(model, param_groups)
+    meta_init = {}
+    if meta:
+        device = _meta.engine_device(process_group)
+        meta_init = dict(init_device=str(device), init_steps=_meta.init_steps(model, groups, device, init_fn))
     hooks = []
     if cfg.bf16_enabled or cfg.fp16_enabled:
         # The parameters become 16-bit; floating-point inputs are cast to match, as FSDP's
@@ -332,10 +346,10 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
         dtype = torch.bfloat16 if cfg.bf16_enabled else torch.float16
         hooks.append(model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
     if not cfg.params_sharded:
-        core = _C.Engine(groups, process_group.group_name, cfg)
+        core = _C.Engine(groups, process_group.group_name, cfg, **meta_init)
     else:
         units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
-        core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units))
+        core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units), **meta_init)
         hooks += stage3.install_hooks(core, model, units)
     trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
     core.set_module_state_from(list(model.state_dict(keep_vars=True).items()))

@@ -1,5 +1,6 @@
 #include "zeroshard/layout/bucket.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -19,10 +20,32 @@ FlatLayout layoutOf(const std::vector<at::Tensor>& params, std::vector<std::stri
   return FlatLayout(std::move(placements), worldSize);
 }
 
+// Note [meta buckets]: a flat buffer of `numel` elements whose storage holds no bytes, the state
+// releaseFlatParams() leaves a buffer in. Views of it (the parameters) have their shapes and
+// can be pointed at; only reading or writing them needs storage, which materializeFlatParams()
+// or allocateZeroed() give. So a model built on the meta device never has a full buffer
+// allocated for it: stage 3 allocates only this rank's shard (detachShard()).
+at::Tensor unallocated(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor flat = at::empty({0}, options.requires_grad(false));
+  flat.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return flat;
+}
+
 } // namespace
 
+void setTensorData(const at::Tensor& t, const at::Tensor& data) {
+  if (t.is_meta() == data.is_meta()) {
+    t.set_data(data);
+    return;
+  }
+  // set_data's own last step, without its check that both are dense tensors of a real device.
+  // No gradient accumulator exists yet for a tensor coming from or going to the meta device
+  // here (the engine builds its hooks after), so there is none to reset.
+  t.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+}
+
 Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
-               int rank, int worldSize, at::ScalarType computeDtype)
+               int rank, int worldSize, at::ScalarType computeDtype, std::optional<at::Device> metaDevice)
     : layout_(layoutOf(params, std::move(names), worldSize)),
       paramGroups_(std::move(paramGroups)),
       rank_(rank),
@@ -38,23 +61,37 @@ Bucket::Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, s
                 " but '", layout_.params()[0].name, "' is ", options.dtype(), " on ", options.device(),
                 "; all parameters of a param group must share dtype and device");
   }
-  auto flat = at::zeros({layout_.paddedNumel()}, options.requires_grad(false));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& place = layout_.params()[i];
-    flat.narrow(0, place.offset, place.numel).view(place.shape).copy_(params_[i].detach());
-  }
-  if (computeDtype == flat.scalar_type()) {
-    flatParams_ = flat;
+  if (options.device().is_meta()) {
+    TORCH_CHECK(metaDevice && !metaDevice->is_meta(), "zeroshard: parameter '", layout_.params()[0].name,
+                "' is on the meta device, and no device was given to allocate this rank's shards on");
+    flatParams_ = unallocated(layout_.paddedNumel(), options.dtype(computeDtype).device(*metaDevice));
   } else {
-    flatParams_ = flat.to(computeDtype);
-    floatValues_ = flat;
+    auto flat = at::zeros({layout_.paddedNumel()}, options.requires_grad(false));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& place = layout_.params()[i];
+      flat.narrow(0, place.offset, place.numel).view(place.shape).copy_(params_[i].detach());
+    }
+    if (computeDtype == flat.scalar_type()) {
+      flatParams_ = flat;
+    } else {
+      flatParams_ = flat.to(computeDtype);
+      floatValues_ = flat;
+    }
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& place = layout_.params()[i];
-    // set_data keeps the Parameter object (and its autograd identity) while its storage
-    // becomes part of the flat buffer (and its dtype the compute dtype).
-    params_[i].set_data(flatParams_.narrow(0, place.offset, place.numel).view(place.shape));
-  }
+  // set_data keeps the Parameter object (and its autograd identity) while its storage
+  // becomes part of the flat buffer (and its dtype the compute dtype).
+  for (size_t i = 0; i < params_.size(); ++i) restoreParamView(i);
+}
+
+void Bucket::restoreParamView(size_t i) {
+  const auto& place = layout_.params().at(i);
+  // A view is bounds-checked against its storage's size: a buffer without storage (Note [meta
+  // buckets]) claims its size, with no memory behind it, while the view is made.
+  auto* storage = flatParams_.storage().unsafeGetStorageImpl();
+  const bool empty = storage->nbytes() == 0;
+  if (empty) storage->set_nbytes(static_cast<size_t>(layout_.paddedNumel()) * flatParams_.element_size());
+  setTensorData(params_[i], flatParams_.narrow(0, place.offset, place.numel).view(place.shape));
+  if (empty) storage->set_nbytes(0);
 }
 
 at::Tensor Bucket::takeFloatValues() {
@@ -68,7 +105,23 @@ at::Tensor Bucket::paramShard() const {
 }
 
 void Bucket::detachShard() {
-  if (!shard_.defined()) shard_ = paramShard().clone();
+  if (shard_.defined()) return;
+  if (allocated()) {
+    shard_ = paramShard().clone();
+  } else {  // a meta bucket: zeros until initialised
+    const auto range = layout_.shardRange(rank_);
+    shard_ = at::zeros({range.numel()}, flatParams_.options());
+  }
+}
+
+bool Bucket::allocated() const {
+  return flatParams_.storage().nbytes() > 0 || layout_.paddedNumel() == 0;
+}
+
+void Bucket::allocateZeroed() {
+  if (allocated()) return;
+  materializeFlatParams();
+  flatParams_.zero_();
 }
 
 // Note [freeing parameter storage]: the parameters are views of flatParams_'s storage. Swapping

@@ -9,10 +9,17 @@
 
 #include "zeroshard/layout/flat_layout.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace zeroshard {
+
+// Like t.set_data(data): `t` (a parameter or buffer, keeping its identity, autograd metadata and
+// version counter) now has `data`'s storage, shape, dtype and device. Unlike set_data it also
+// moves a tensor between the meta device and a real one, which set_data refuses as
+// incompatible tensor types (Note [meta buckets]).
+void setTensorData(const at::Tensor& t, const at::Tensor& data);
 
 class Bucket {
  public:
@@ -21,8 +28,13 @@ class Bucket {
   // The parameters must be float32: they seed the fp32 master weights. With a 16-bit
   // `computeDtype` the parameters become views of a flat buffer of that dtype, and the fp32
   // values are kept apart until takeFloatValues() (never rounded through the 16-bit copy).
+  //
+  // Parameters on the meta device (a model built under torch.device("meta")) have no values:
+  // nothing is copied, and the flat buffer is made on `metaDevice` without storage, as after
+  // releaseFlatParams(); allocateZeroed() gives it storage (Note [meta buckets]).
   Bucket(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> paramGroups,
-         int rank, int worldSize, at::ScalarType computeDtype = at::kFloat);
+         int rank, int worldSize, at::ScalarType computeDtype = at::kFloat,
+         std::optional<at::Device> metaDevice = std::nullopt);
 
   const FlatLayout& layout() const { return layout_; }
   int paramGroup() const { return paramGroups_.front(); }
@@ -41,6 +53,12 @@ class Bucket {
   void detachShard();
   void releaseFlatParams();
   void materializeFlatParams();
+  // Whether the full buffer has storage now; allocateZeroed() gives it zeroed storage.
+  bool allocated() const;
+  void allocateZeroed();
+  // Makes parameter i a view of the flat buffer again (after it was pointed elsewhere with
+  // set_data, e.g. at a scratch tensor during meta initialisation).
+  void restoreParamView(size_t i);
 
   // With 16-bit parameters, the model's original fp32 values (the first time; undefined after,
   // and when the parameters are fp32): they seed the master weights (optim/master_weights.h).

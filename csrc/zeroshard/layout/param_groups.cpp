@@ -77,7 +77,8 @@ std::string deviceOfParamGroups(const std::vector<ParamGroupSpec>& groups) {
 }
 
 std::vector<Bucket> bucketParamGroups(const std::vector<ParamGroupSpec>& groups, int64_t capacity, int rank,
-                                      int worldSize, at::ScalarType computeDtype) {
+                                      int worldSize, at::ScalarType computeDtype,
+                                      std::optional<at::Device> metaDevice) {
   std::vector<Bucket> buckets;
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& group = groups[g];
@@ -89,7 +90,8 @@ std::vector<Bucket> bucketParamGroups(const std::vector<ParamGroupSpec>& groups,
       std::reverse(params.begin(), params.end());
       std::reverse(names.begin(), names.end());
       std::vector<int> groupIds(params.size(), static_cast<int>(g));
-      buckets.emplace_back(std::move(params), std::move(names), std::move(groupIds), rank, worldSize, computeDtype);
+      buckets.emplace_back(std::move(params), std::move(names), std::move(groupIds), rank, worldSize, computeDtype,
+                           metaDevice);
       params.clear();
       names.clear();
       filled = 0;

@@ -39,8 +39,9 @@ std::string deviceOfParamGroups(const std::vector<ParamGroupSpec>& groups);
 
 // Stages 0-2: each group's parameters in buckets of at least `capacity` elements (the last of a
 // group may be smaller), filled in reverse parameter order, the order backward usually
-// produces gradients.
+// produces gradients. Parameters on the meta device: see Bucket (`metaDevice`).
 std::vector<Bucket> bucketParamGroups(const std::vector<ParamGroupSpec>& groups, int64_t capacity, int rank,
-                                      int worldSize, at::ScalarType computeDtype);
+                                      int worldSize, at::ScalarType computeDtype,
+                                      std::optional<at::Device> metaDevice = std::nullopt);
 
 }  // namespace zeroshard

@@ -1,9 +1,26 @@
 #include "zeroshard/optim/master_weights.h"
 
+#include <ATen/ops/zeros.h>
+
 namespace zeroshard {
 
 MasterWeights::MasterWeights(std::vector<Bucket>& buckets) {
   for (auto& b : buckets) separate_.push_back(b.takeFloatValues());
+}
+
+MasterWeights MasterWeights::allocated(const std::vector<Bucket>& buckets, bool sharded, int rank) {
+  MasterWeights out;
+  out.sharded_ = sharded;
+  for (const auto& b : buckets) {
+    const at::Tensor& flat = b.flatParams();
+    if (flat.scalar_type() == at::kFloat) {
+      out.separate_.emplace_back();
+      continue;
+    }
+    const int64_t numel = sharded ? b.layout().shardRange(rank).numel() : b.layout().paddedNumel();
+    out.separate_.push_back(at::zeros({numel}, flat.options().dtype(at::kFloat)));
+  }
+  return out;
 }
 
 at::Tensor MasterWeights::of(const Bucket& bucket, size_t index) const {

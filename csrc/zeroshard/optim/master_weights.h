@@ -22,6 +22,10 @@ class MasterWeights {
  public:
   // Takes each bucket's fp32 values (Bucket::takeFloatValues()).
   explicit MasterWeights(std::vector<Bucket>& buckets);
+  // For buckets of a meta-device model (nothing to take): zeroed fp32 copies where the
+  // parameters are 16-bit, whole or, with `sharded`, only this rank's slice (never a whole
+  // bucket then), filled by the engine's initialisation.
+  static MasterWeights allocated(const std::vector<Bucket>& buckets, bool sharded, int rank);
 
   // Bucket `index`'s master weights, whole or this rank's slice.
   at::Tensor of(const Bucket& bucket, size_t index) const;
@@ -33,6 +37,8 @@ class MasterWeights {
   int64_t separateBytes() const;
 
  private:
+  MasterWeights() = default;
+
   std::vector<at::Tensor> separate_;  // per bucket; undefined where the parameters are fp32
   bool sharded_ = false;
 };

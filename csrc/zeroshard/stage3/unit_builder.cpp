@@ -30,7 +30,8 @@ std::vector<UnitSpec> assignUnits(const std::vector<std::pair<std::string, at::T
 }
 
 Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vector<UnitSpec> specs,
-                             const UnitOptions& options, int rank, int worldSize, at::ScalarType computeDtype) {
+                             const UnitOptions& options, int rank, int worldSize, at::ScalarType computeDtype,
+                             std::optional<at::Device> metaDevice) {
   Stage3Units out;
   struct Entry {
     at::Tensor param;
@@ -74,7 +75,8 @@ Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vec
       continue;
     }
     out.unitOf.emplace_back(UnitIndex{out.buckets.size()});
-    out.buckets.emplace_back(std::move(params), std::move(names), std::move(groupIds), rank, worldSize, computeDtype);
+    out.buckets.emplace_back(std::move(params), std::move(names), std::move(groupIds), rank, worldSize, computeDtype,
+                             metaDevice);
     out.policies.push_back(UnitPolicy{spec.root ? false : options.reshardAfterForward, false});
   }
   for (const auto& name : allNames) {
@@ -86,7 +88,7 @@ Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vec
     // they save in memory; they form one unit that stays gathered and is all-gathered once
     // after each optimizer step, like stage 2.
     out.buckets.emplace_back(std::move(keptParams), std::move(keptNames), std::move(keptGroups), rank, worldSize,
-                             computeDtype);
+                             computeDtype, metaDevice);
     out.policies.push_back(UnitPolicy{false, true});
   }
   return out;

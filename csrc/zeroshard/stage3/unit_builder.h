@@ -68,6 +68,7 @@ struct Stage3Units {
 // Errors name the unit and parameter: a listed parameter that is not trainable, one listed by
 // two units, a trainable one in none.
 Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vector<UnitSpec> specs,
-                             const UnitOptions& options, int rank, int worldSize, at::ScalarType computeDtype);
+                             const UnitOptions& options, int rank, int worldSize, at::ScalarType computeDtype,
+                             std::optional<at::Device> metaDevice = std::nullopt);
 
 }  // namespace zeroshard

@@ -28,6 +28,7 @@ UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy>
     auto& unit = units_[u];
     unit.detachShard();
     if (policies_[u].keepGathered) {
+      unit.allocateZeroed();  // a meta model's bucket has none yet (Note [meta buckets])
       states_[u] = UnitState::kGathered;
     } else {
       unit.releaseFlatParams();

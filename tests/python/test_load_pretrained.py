@@ -104,20 +104,30 @@ def _train(model, engine, group, steps=2):
     return losses
 
 
+def _no_init(module):
+    """A meta model's init_fn when its weights are loaded next: nothing to draw."""
+
+
 def _engine(model, group, stage, precision, persistence=0):
     import torch.distributed as dist
     import zeroshard
 
     config = _config(dist.get_world_size(group), stage, precision)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
-    return zeroshard.initialize(model, config, process_group=group)
+    meta = next(model.parameters()).is_meta
+    return zeroshard.initialize(model, config, process_group=group, init_fn=_no_init if meta else None)
 
 
-def _load_case(group, stage, precision, path, file_key, persistence):
-    """Loads `path` into an engine of a differently seeded model, and builds a reference engine the
-    ordinary way from the expected weights; trains both two steps."""
+def _load_case(group, stage, precision, path, file_key, persistence, build):
+    """Loads `path` into an engine of a differently seeded model (or one built on the meta device),
+    and builds a reference engine the ordinary way from the expected weights; trains both two
+    steps."""
     expected = _expected(file_key)
-    model = make_stateful_model(1)
+    if build == "meta":
+        with torch.device("meta"):
+            model = make_stateful_model(1)
+    else:
+        model = make_stateful_model(1)
     engine = _engine(model, group, stage, precision, persistence)
     loaded = engine.load_pretrained(path)
     out = {"loaded": loaded, "stats": engine.last_load_stats(),
@@ -170,21 +180,26 @@ def _problems(group, files):
 
 
 def _cases(world_size):
-    """(stage, precision, file, stage3_param_persistence_threshold): 100 keeps the biases, norms
-    and `odd` gathered, which every rank then reads whole."""
+    """(stage, precision, file, stage3_param_persistence_threshold, build): persistence 100 keeps
+    the biases, norms and `odd` gathered, which every rank then reads whole; "meta" builds the
+    model on the meta device, so the file gives it its only values."""
     if world_size == 4:
-        return [(3, "fp32", "fp32", 0), (3, "bf16", "bf16", 0), (3, "bf16", "fp32", 100)]
-    cases = [(stage, precision, file_key, 0) for stage in STAGES for precision in ("fp32", "bf16")
+        return [(3, "fp32", "fp32", 0, "normal"), (3, "bf16", "bf16", 0, "normal"), (3, "bf16", "fp32", 100, "normal"),
+                (3, "fp32", "bf16", 0, "meta")]
+    cases = [(stage, precision, file_key, 0, "normal") for stage in STAGES for precision in ("fp32", "bf16")
              for file_key in ("fp32", "bf16")]
+    if world_size == 1:
+        cases += [(2, "bf16", "bf16", 0, "meta")]
     if world_size == 2:
-        cases += [(1, "fp16", "fp32", 0), (3, "fp16", "bf16", 0), (3, "fp32", "bf16", 100),
-                  (0, "fp32", "sharded", 0), (3, "fp32", "index", 0)]
+        cases += [(1, "fp16", "fp32", 0, "normal"), (3, "fp16", "bf16", 0, "normal"),
+                  (3, "fp32", "bf16", 100, "normal"), (0, "fp32", "sharded", 0, "normal"),
+                  (3, "fp32", "index", 0, "normal"), (0, "fp32", "bf16", 0, "meta"), (3, "bf16", "fp32", 100, "meta")]
     return cases
 
 
 def _run(group, files, cases):
-    return {case: _load_case(group, stage, precision, files[key], "bf16" if key == "bf16" else "fp32", persistence)
-            for case in cases for stage, precision, key, persistence in [case]}
+    return {case: _load_case(group, stage, precision, files[key], "bf16" if key == "bf16" else "fp32", *rest)
+            for case in cases for stage, precision, key, *rest in [case]}
 
 
 def _rank_cases(rank, world_size, files):
@@ -273,7 +288,7 @@ def test_below_stage_3_every_rank_reads_every_parameter_once(runs, world_size):
 
 def test_a_sharded_checkpoint_loads_from_its_directory_and_its_index(runs, files):
     for results in runs(2):
-        for case in ((0, "fp32", "sharded", 0), (3, "fp32", "index", 0)):
+        for case in ((0, "fp32", "sharded", 0, "normal"), (3, "fp32", "index", 0, "normal")):
             assert [p.rsplit("/", 1)[1] for p in results[case]["stats"]["files"]] == [
                 "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 

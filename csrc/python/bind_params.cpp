@@ -1,5 +1,5 @@
-// Engine methods that write parameters (engine_params.cpp), added to the Engine class that
-// bind_engine.cpp defines; module.cpp binds this after it.
+// Engine methods that write parameters (engine_params.cpp, engine_pretrained.cpp), added to the
+// Engine class that bind_engine.cpp defines; module.cpp binds this after it.
 #include "bindings.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -16,6 +16,27 @@ void bindParams(py::module_& m) {
   engine.def("set_parameters", &Engine::setParameters, "values"_a, py::call_guard<py::gil_scoped_release>(),
              "Writes whole values [(name, tensor)] into the fp32 master weights and compute-dtype "
              "parameters (this rank's shards); every rank must pass the same values.");
+  engine.def(
+      "load_pretrained",
+      [](Engine& e, const std::string& path, bool strict) {
+        PretrainedLoad loaded;
+        {
+          py::gil_scoped_release noGil;
+          loaded = e.loadPretrained(path, strict);
+        }
+        py::list mismatched;
+        for (const auto& m : loaded.mismatched) {
+          mismatched.append(
+              py::make_tuple(m.name, py::tuple(py::cast(m.fileShape)), py::tuple(py::cast(m.modelShape))));
+        }
+        return py::dict("missing"_a = loaded.missing, "unexpected"_a = loaded.unexpected, "mismatched"_a = mismatched,
+                        "files"_a = loaded.files, "param_bytes_read"_a = loaded.paramBytesRead,
+                        "module_state_bytes_read"_a = loaded.moduleStateBytesRead,
+                        "header_bytes_read"_a = loaded.headerBytesRead, "bytes_read"_a = loaded.bytesRead);
+      },
+      "path"_a, "strict"_a = true,
+      "Engine::loadPretrained: collective; {missing, unexpected, mismatched [(name, file shape, model shape)], "
+      "files, param_bytes_read, module_state_bytes_read, header_bytes_read, bytes_read} for this rank.");
 }
 
 } // namespace zeroshard::python

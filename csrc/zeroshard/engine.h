@@ -15,6 +15,7 @@
 #include "zeroshard/layout/param_storage.h"
 #include "zeroshard/checkpoint/engine_checkpoint.h"
 #include "zeroshard/checkpoint/model_export.h"
+#include "zeroshard/checkpoint/pretrained.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/optim/loss_scaler.h"
@@ -168,7 +169,7 @@ class Engine {
   // parameters (their shard at stage 3, and the whole buffer where it exists), cast from the
   // fp32 value as after an optimizer step. A value in the 16-bit compute dtype leaves the fp32
   // master of each element where it equals the master's rounding (Note [write-back keeps the
-  // master] in engine_params.cpp). Optimizer state is kept. Collective-free and
+  // master] in layout/param_targets.cpp). Optimizer state is kept. Collective-free and
   // blocking: every rank must pass the same values (e.g. after a broadcast) or the ranks'
   // copies diverge. Everything is checked (names known, shapes equal, floating values) before
   // anything is written. The zeroshard.deepspeed GatheredParameters(modifier_rank=r) write-back.
@@ -201,6 +202,18 @@ class Engine {
   // DeepSpeed does. On any rank's error it fails on every rank, leaving no partial file.
   bool save16bitModel(const std::string& dir, const std::string& filename = "model.safetensors",
                       const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
+
+  // Pretrained weights from a Hugging Face-style safetensors checkpoint (engine_pretrained.cpp,
+  // checkpoint/pretrained.h; docs/checkpoints.md): `path` is a .safetensors file, a directory
+  // with model.safetensors or model.safetensors.index.json, or that index. By state-dict name
+  // (a tied weight from any one of its names), each rank reads only the element ranges it
+  // holds, converted from the file's dtype, into its fp32 master weights and compute-dtype
+  // parameters (as setParameters writes them; optimizer state is kept), and buffers and frozen
+  // parameters whole. strict: any missing, unexpected or wrong-shaped tensor is one error
+  // naming the path and listing them, and nothing changes on any rank; otherwise what fits is
+  // loaded and the lists are returned. Collective and blocking: every rank calls it between
+  // optimizer steps with the same path.
+  PretrainedLoad loadPretrained(const std::string& path, bool strict = true);
 
   // Learning rates (engine_schedule.cpp). With a config "scheduler" the schedule owns every
   // group's lr (and, for OneCycle, betas): it puts its start values in at construction and is

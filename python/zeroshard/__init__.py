@@ -5,11 +5,12 @@ import torch as _torch  # noqa: F401  (loads libtorch before the extension that 
 from zeroshard import _C
 from zeroshard.comm import Communicator
 from zeroshard.engine import Engine, init_distributed, initialize
+from zeroshard.pretrained import PretrainedLoad
 
 # Config.from_file / from_dict / from_json raise ValueError naming the key path, and report
 # DeepSpeed keys zeroshard does not implement through warnings.warn (docs/config.md).
 Config = _C.Config
 CommHandle = _C.CommHandle
 
-__all__ = ["Config", "Communicator", "CommHandle", "Engine", "initialize", "init_distributed"]
+__all__ = ["Config", "Communicator", "CommHandle", "Engine", "initialize", "init_distributed", "PretrainedLoad"]
 __version__ = "0.1.0"

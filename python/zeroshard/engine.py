@@ -20,6 +20,7 @@ from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
 from zeroshard.lr_schedule import ConfigSchedule
 from zeroshard.optimizer_view import EngineOptimizer
+from zeroshard.pretrained import PretrainedLoad
 
 def _load_config(config):
     if isinstance(config, _C.Config):
@@ -93,6 +94,7 @@ class Engine:
         # (stepped in C++), else None.
         self.lr_scheduler = lr_scheduler
         self._client_scheduler = lr_scheduler is not None
+        self._last_load_stats = None
 
     def __call__(self, *args, **kwargs):
         self._core.begin_forward()  # wall_clock_breakdown's forward time
@@ -234,6 +236,31 @@ class Engine:
         if self._client_scheduler and load_lr_scheduler_states and scheduler_state is not None:
             self.lr_scheduler.load_state_dict(scheduler_state)
         return path, client_state
+
+    def load_pretrained(self, path, strict=True):
+        """Loads pretrained weights by state-dict name from a safetensors checkpoint: a
+        .safetensors file, a directory with model.safetensors, or a Hugging Face sharded one
+        (model.safetensors.index.json and its shards; the directory or the index file).
+
+        Every rank calls it between optimizer steps; each reads only the element ranges of the
+        trained parameters it holds (stage 3: its shards), converted from the file's dtype, and
+        buffers and frozen parameters whole. A tied weight is read from any one of its names.
+        strict=True: a missing, unexpected or wrong-shaped tensor is a RuntimeError naming the
+        path and listing them all, and nothing changes on any rank. strict=False loads what fits.
+        Returns a zeroshard.PretrainedLoad(missing_keys, unexpected_keys, mismatched_keys);
+        last_load_stats() then says what this rank read. docs/checkpoints.md."""
+        self._refresh_module_state()
+        loaded = self._core.load_pretrained(os.fspath(path), strict)
+        self._last_load_stats = {k: loaded[k] for k in ("files", "param_bytes_read", "module_state_bytes_read",
+                                                         "header_bytes_read", "bytes_read")}
+        return PretrainedLoad(loaded["missing"], loaded["unexpected"], loaded["mismatched"])
+
+    def last_load_stats(self):
+        """What this rank read in the last load_pretrained (None before one): files (the paths
+        opened), param_bytes_read (trained parameters' tensor bytes, only the ranges this rank
+        holds, in the file's dtype), module_state_bytes_read (buffers and frozen parameters),
+        header_bytes_read, and bytes_read, their sum."""
+        return self._last_load_stats
 
     def _refresh_module_state(self):
         # Buffers may have been replaced since initialize() (a reassigned attribute, a lazily

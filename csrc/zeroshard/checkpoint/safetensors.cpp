@@ -98,18 +98,23 @@ FileDigest SafetensorsWriter::finish(const std::string& name) {
   return file_.finish(name);
 }
 
-SafetensorsReader::SafetensorsReader(const std::string& path, FileDigest expected)
-    : file_(path, std::move(expected)) {
-  TORCH_CHECK(file_.size() >= 8, "zeroshard: '", path, "' is too short to be a safetensors file");
+SafetensorsHeader readSafetensorsHeader(const std::string& path, int64_t fileBytes,
+                                        const std::function<void(int64_t, int64_t, void*)>& read) {
+  TORCH_CHECK(fileBytes >= 8, "zeroshard: '", path, "' is too short to be a safetensors file (", fileBytes,
+              " bytes)");
   unsigned char prefix[8];
-  file_.read(0, 8, prefix);
+  read(0, 8, prefix);
   uint64_t length = 0;
   for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(prefix[i]) << (8 * i);
-  TORCH_CHECK(length <= kMaxHeaderBytes && static_cast<int64_t>(length) + 8 <= file_.size(), "zeroshard: '", path,
-              "' has a header length of ", length, " bytes, which does not fit the file");
+  // Checked before the header is allocated: a garbled prefix must not ask for exabytes.
+  TORCH_CHECK(length <= kMaxHeaderBytes && static_cast<int64_t>(length) + 8 <= fileBytes, "zeroshard: '", path,
+              "' has a header length of ", length, " bytes, which does not fit the file (", fileBytes,
+              " bytes): it is not a safetensors file, or it is truncated");
   std::string text(length, '\0');
-  file_.read(8, static_cast<int64_t>(length), text.data());
-  dataStart_ = 8 + static_cast<int64_t>(length);
+  read(8, static_cast<int64_t>(length), text.data());
+  SafetensorsHeader out;
+  out.dataStart = 8 + static_cast<int64_t>(length);
+  const int64_t dataBytes = fileBytes - out.dataStart;
   Json header;
   try {
     header = Json::parse(text);
@@ -117,34 +122,60 @@ SafetensorsReader::SafetensorsReader(const std::string& path, FileDigest expecte
     TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is not valid JSON: ", e.what());
   }
   TORCH_CHECK(header.is_object(), "zeroshard: the safetensors header of '", path, "' is not a JSON object");
+  std::string current;  // the entry being read, for the error
   try {
     for (const auto& [name, value] : header.items()) {
+      current = name;
       if (name == "__metadata__") {
-        metadata_ = value.get<std::map<std::string, std::string>>();
+        out.metadata = value.get<std::map<std::string, std::string>>();
         continue;
       }
       TensorEntry e;
       e.name = name;
-      e.dtype = dtypeFromSafetensors(value.at("dtype").get<std::string>());
+      const std::string dtype = value.at("dtype").get<std::string>();
+      const DtypeNames* known = std::find_if(std::begin(kDtypes), std::end(kDtypes),
+                                             [&](const DtypeNames& n) { return dtype == n.safetensors; });
+      TORCH_CHECK(known != std::end(kDtypes), "zeroshard: tensor '", name, "' in '", path, "' has dtype '", dtype,
+                  "', which zeroshard does not read");
+      e.dtype = known->type;
       e.shape = value.at("shape").get<std::vector<int64_t>>();
       e.begin = value.at("data_offsets").at(0).get<int64_t>();
       e.end = value.at("data_offsets").at(1).get<int64_t>();
-      TORCH_CHECK(e.begin >= 0 && e.end - e.begin == e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype)) &&
-                      dataStart_ + e.end <= file_.size(),
-                  "zeroshard: tensor '", name, "' in '", path, "' has byte range [", e.begin, ", ", e.end,
-                  ") that does not match its shape or the file");
-      index_[name] = entries_.size();
-      entries_.push_back(std::move(e));
+      // The byte length of the shape, computed without overflow: any product past the data
+      // area is wrong already.
+      int64_t bytes = static_cast<int64_t>(c10::elementSize(e.dtype));
+      bool fits = true;
+      for (const int64_t d : e.shape) fits = fits && d >= 0;
+      if (fits && std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end()) bytes = 0;
+      for (const int64_t d : e.shape) {
+        if (!fits || bytes == 0) break;
+        fits = d <= dataBytes / bytes;
+        bytes *= d;
+      }
+      TORCH_CHECK(fits && e.begin >= 0 && e.end >= e.begin && e.end <= dataBytes && e.end - e.begin == bytes,
+                  "zeroshard: tensor '", name, "' in '", path, "' (", dtype, " ",
+                  c10::IntArrayRef(e.shape), ") has byte range [", e.begin, ", ", e.end,
+                  ") that does not match its shape or lies outside the file's ", dataBytes, " data bytes");
+      TORCH_CHECK(out.index.emplace(name, out.entries.size()).second, "zeroshard: tensor '", name,
+                  "' appears twice in '", path, "'");
+      out.entries.push_back(std::move(e));
     }
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is malformed: ", e.what());
+    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is malformed at '", current, "': ", e.what());
   }
+  return out;
+}
+
+SafetensorsReader::SafetensorsReader(const std::string& path, FileDigest expected)
+    : file_(path, std::move(expected)) {
+  header_ = readSafetensorsHeader(path, file_.size(),
+                                  [&](int64_t offset, int64_t size, void* out) { file_.read(offset, size, out); });
 }
 
 const TensorEntry& SafetensorsReader::entry(const std::string& name) const {
-  auto it = index_.find(name);
-  TORCH_CHECK(it != index_.end(), "zeroshard: tensor '", name, "' is not in '", file_.path(), "'");
-  return entries_[it->second];
+  auto it = header_.index.find(name);
+  TORCH_CHECK(it != header_.index.end(), "zeroshard: tensor '", name, "' is not in '", file_.path(), "'");
+  return header_.entries[it->second];
 }
 
 void SafetensorsReader::readElements(const std::string& name, int64_t first, int64_t count, void* out) {
@@ -152,7 +183,7 @@ void SafetensorsReader::readElements(const std::string& name, int64_t first, int
   TORCH_CHECK(first >= 0 && count >= 0 && first + count <= e.numel(), "zeroshard: elements [", first, ", ",
               first + count, ") of '", name, "' in '", file_.path(), "' are outside its ", e.numel());
   const int64_t size = static_cast<int64_t>(c10::elementSize(e.dtype));
-  file_.read(dataStart_ + e.begin + first * size, count * size, out);
+  file_.read(header_.dataStart + e.begin + first * size, count * size, out);
 }
 
 at::Tensor SafetensorsReader::read(const std::string& name) {

@@ -8,6 +8,7 @@
 
 #include "zeroshard/checkpoint/checked_file.h"
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +32,22 @@ at::ScalarType dtypeFromSafetensors(const std::string& name);
 std::string dtypeName(at::ScalarType dtype);
 at::ScalarType dtypeFromName(const std::string& name);
 
+// A safetensors header, read and checked against the file it came from.
+struct SafetensorsHeader {
+  int64_t dataStart = 0;  // the file offset of the data area: 8 + the header's length
+  std::vector<TensorEntry> entries;  // in the header's order
+  std::unordered_map<std::string, size_t> index;  // name -> entries[i]
+  std::map<std::string, std::string> metadata;
+};
+
+// Reads the header of the safetensors file `path` of `fileBytes` bytes through read(offset,
+// size, out), checking it before trusting it: the 8-byte length fits the file (nothing of the
+// length it claims is allocated before that), the JSON parses, every dtype is known, every
+// shape's byte length equals its byte range and every range lies inside the data area. Errors
+// name the file (and the tensor).
+SafetensorsHeader readSafetensorsHeader(const std::string& path, int64_t fileBytes,
+                                        const std::function<void(int64_t offset, int64_t size, void* out)>& read);
+
 // Writes the header for `entries` (their byte ranges are assigned here, in order) on
 // construction; then each tensor's bytes, in the same order, through write().
 class SafetensorsWriter {
@@ -51,10 +68,10 @@ class SafetensorsReader {
  public:
   SafetensorsReader(const std::string& path, FileDigest expected);
 
-  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  bool contains(const std::string& name) const { return header_.index.count(name) > 0; }
   // Throws naming the file when `name` is not in it.
   const TensorEntry& entry(const std::string& name) const;
-  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
   // Elements [first, first + count) of tensor `name` (flattened) into `out`, which must hold
   // count elements of the tensor's dtype.
   void readElements(const std::string& name, int64_t first, int64_t count, void* out);
@@ -63,10 +80,7 @@ class SafetensorsReader {
 
  private:
   CheckedFileReader file_;
-  int64_t dataStart_ = 0;
-  std::vector<TensorEntry> entries_;
-  std::unordered_map<std::string, size_t> index_;
-  std::map<std::string, std::string> metadata_;
+  SafetensorsHeader header_;
 };
 
 } // namespace zeroshard

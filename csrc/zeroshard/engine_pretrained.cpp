@@ -1,0 +1,85 @@
+// Engine::loadPretrained: a Hugging Face-style safetensors checkpoint read into the sharded
+// state (checkpoint/pretrained.h finds the files and matches the names).
+//
+// Note [pretrained reads]: each rank reads, for each trained parameter, only the elements some
+// copy of it on this rank holds (ParamTargets::needed): at stage 3 the elements in its shard
+// (plus persistent parameters whole), below stage 3 every parameter whole, as those ranks
+// keep them. The range is read with pread straight from the file and converted to fp32 on
+// the way (SafetensorsFile::readFloat), so one parameter's range in fp32 is the most this adds
+// to memory; then it is written as setParameters writes an fp32 value. Everything is checked
+// first (headers, byte ranges, names, shapes) and agreed across ranks (Note [agreement]), so a
+// file that does not fit changes nothing on any rank; only an I/O error after the check (a file
+// changed while being read) can leave a partial load, and it is reported on every rank.
+#include "zeroshard/engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "zeroshard/checkpoint/pretrained.h"
+#include "zeroshard/comm/agreement.h"
+#include "zeroshard/layout/param_targets.h"
+
+#include <memory>
+
+namespace zeroshard {
+
+PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict) {
+  checkBetweenSteps("load_pretrained()");
+  const UncountedCollectives uncounted(comm_);
+  const c10::Device device = buckets_.front().flatParams().device();
+  std::unique_ptr<PretrainedFiles> files;
+  PretrainedMatch match;
+  agreeAcrossRanks(comm_, device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
+    files = std::make_unique<PretrainedFiles>(path);
+    match = matchPretrained(*files, buckets_, moduleState_);
+    TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match));
+  });
+
+  PretrainedLoad result;
+  agreeAcrossRanks(
+      comm_, device, "load_pretrained: loading '" + path + "'",
+      "the weights may be partly loaded (the files were checked first, so one changed or failed while being "
+      "read): load them again",
+      [&] {
+        at::NoGradGuard noGrad;
+        for (size_t b = 0; b < buckets_.size(); ++b) {
+          const Bucket& bucket = buckets_[b];
+          const auto targets = ParamTargets::of(bucket, masters_->of(bucket, b), plan_.optimizerSharded(),
+                                                plan_.paramsSharded(), comm_.rank());
+          const auto& params = bucket.layout().params();
+          for (size_t i = 0; i < params.size(); ++i) {
+            const auto* source = match.params[b][i];
+            if (source == nullptr) continue;
+            const ShardRange range = targets.needed({params[i].offset, params[i].offset + params[i].numel});
+            if (range.numel() == 0) continue;
+            SafetensorsFile& file = files->file(source->file);
+            const int64_t before = file.dataBytesRead();
+            at::Tensor value = at::empty({range.numel()}, at::TensorOptions().dtype(at::kFloat));
+            file.readFloat(*source->entry, range.begin - params[i].offset, range.numel(), value.data_ptr<float>());
+            result.paramBytesRead += file.dataBytesRead() - before;
+            targets.write(value.to(device), range);
+          }
+        }
+        for (size_t i = 0; i < moduleState_.tensors.size(); ++i) {
+          const auto* source = match.moduleState[i];
+          if (source == nullptr) continue;
+          SafetensorsFile& file = files->file(source->file);
+          const int64_t before = file.dataBytesRead();
+          // Converted to the tensor's own dtype (an integer buffer is copied as it is).
+          moduleState_.tensors[i].second.detach().copy_(file.read(*source->entry));
+          result.moduleStateBytesRead += file.dataBytesRead() - before;
+        }
+      });
+  for (size_t f = 0; f < files->numFiles(); ++f) {
+    result.files.push_back(files->file(f).path());
+    result.headerBytesRead += files->file(f).headerBytesRead();
+  }
+  result.bytesRead = result.paramBytesRead + result.moduleStateBytesRead + result.headerBytesRead;
+  result.missing = std::move(match.missing);
+  result.unexpected = std::move(match.unexpected);
+  result.mismatched = std::move(match.mismatched);
+  return result;
+}
+
+} // namespace zeroshard

@@ -208,7 +208,7 @@ std::string describeMismatch(const std::string& path, const PretrainedMatch& mat
     out << m.name << " (file " << c10::IntArrayRef(m.fileShape) << ", model " << c10::IntArrayRef(m.modelShape)
         << ")";
   });
-  out << " nothing was loaded; load_pretrained(path, strict=False) loads the tensors that fit and returns these lists";
+  out << " load_pretrained(path, strict=False) loads the tensors that fit and returns these lists";
   return out.str();
 }
 

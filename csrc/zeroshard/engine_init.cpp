@@ -142,7 +142,8 @@ void Engine::initFromMeta(const MetaInit& init) {
       setParameters(values);
       at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(init.device));
       for (const auto& [name, value] : values) {
-        sum.add_(value.sum(at::kDouble));
+        // Summed in fp32 (sum(kDouble) would make a float64 copy of the whole module first).
+        sum.add_(value.sum().to(at::kDouble));
         written.insert(name);
       }
       checksums.push_back(sum);

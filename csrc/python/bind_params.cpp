@@ -18,11 +18,11 @@ void bindParams(py::module_& m) {
              "parameters (this rank's shards); every rank must pass the same values.");
   engine.def(
       "load_pretrained",
-      [](Engine& e, const std::string& path, bool strict) {
+      [](Engine& e, const std::string& path, bool strict, const TensorRenames& renames) {
         PretrainedLoad loaded;
         {
           py::gil_scoped_release noGil;
-          loaded = e.loadPretrained(path, strict);
+          loaded = e.loadPretrained(path, strict, renames);
         }
         py::list mismatched;
         for (const auto& m : loaded.mismatched) {
@@ -34,9 +34,15 @@ void bindParams(py::module_& m) {
                         "module_state_bytes_read"_a = loaded.moduleStateBytesRead,
                         "header_bytes_read"_a = loaded.headerBytesRead, "bytes_read"_a = loaded.bytesRead);
       },
-      "path"_a, "strict"_a = true,
-      "Engine::loadPretrained: collective; {missing, unexpected, mismatched [(name, file shape, model shape)], "
+      "path"_a, "strict"_a = true, "renames"_a = TensorRenames{},
+      "Engine::loadPretrained: collective; renames {file tensor name: state-dict name}; {missing, unexpected, mismatched [(name, file shape, model shape)], "
       "files, param_bytes_read, module_state_bytes_read, header_bytes_read, bytes_read} for this rank.");
+  // Local (no collective): the Python layer turns regex key mappings into exact renames with it.
+  m.def(
+      "pretrained_tensor_names",
+      [](const std::string& path) { return PretrainedFiles(path).names(); }, "path"_a,
+      py::call_guard<py::gil_scoped_release>(),
+      "The tensor names of a pretrained checkpoint's files (headers only), file by file; errors as load_pretrained's.");
 }
 
 } // namespace zeroshard::python

@@ -212,8 +212,9 @@ class Engine {
   // parameters whole. strict: any missing, unexpected or wrong-shaped tensor is one error
   // naming the path and listing them, and nothing changes on any rank; otherwise what fits is
   // loaded and the lists are returned. Collective and blocking: every rank calls it between
-  // optimizer steps with the same path.
-  PretrainedLoad loadPretrained(const std::string& path, bool strict = true);
+  // optimizer steps with the same path. `renames` (file tensor name -> state-dict name, exact)
+  // applies before matching; every rank passes the same.
+  PretrainedLoad loadPretrained(const std::string& path, bool strict = true, const TensorRenames& renames = {});
 
   // Learning rates (engine_schedule.cpp). With a config "scheduler" the schedule owns every
   // group's lr (and, for OneCycle, betas): it puts its start values in at construction and is

@@ -24,7 +24,7 @@
 
 namespace zeroshard {
 
-PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict) {
+PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, const TensorRenames& renames) {
   checkBetweenSteps("load_pretrained()");
   const UncountedCollectives uncounted(comm_);
   const c10::Device device = buckets_.front().flatParams().device();
@@ -32,8 +32,8 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict) {
   PretrainedMatch match;
   agreeAcrossRanks(comm_, device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
     files = std::make_unique<PretrainedFiles>(path);
-    match = matchPretrained(*files, buckets_, moduleState_);
-    TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match));
+    match = matchPretrained(*files, buckets_, moduleState_, renames);
+    TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match, renames));
   });
 
   PretrainedLoad result;

@@ -20,6 +20,7 @@ from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
 from zeroshard.lr_schedule import ConfigSchedule
 from zeroshard.optimizer_view import EngineOptimizer
+from zeroshard import pretrained as _pretrained
 from zeroshard.pretrained import PretrainedLoad
 
 def _load_config(config):
@@ -237,7 +238,7 @@ class Engine:
             self.lr_scheduler.load_state_dict(scheduler_state)
         return path, client_state
 
-    def load_pretrained(self, path, strict=True):
+    def load_pretrained(self, path, strict=True, key_mapping=None):
         """Loads pretrained weights by state-dict name from a safetensors checkpoint: a
         .safetensors file, a directory with model.safetensors, or a Hugging Face sharded one
         (model.safetensors.index.json and its shards; the directory or the index file).
@@ -247,10 +248,14 @@ class Engine:
         buffers and frozen parameters whole. A tied weight is read from any one of its names.
         strict=True: a missing, unexpected or wrong-shaped tensor is a RuntimeError naming the
         path and listing them all, and nothing changes on any rank. strict=False loads what fits.
-        Returns a zeroshard.PretrainedLoad(missing_keys, unexpected_keys, mismatched_keys);
-        last_load_stats() then says what this rank read. docs/checkpoints.md."""
+        key_mapping {regex: replacement}: re.sub'ed into the files' tensor names, pattern after
+        pattern, before matching (as from_pretrained's key_mapping); without it a transformers
+        model gets the renames of transformers' own conversion mapping (GPT-NeoX's embed_out.weight
+        is lm_head.weight). Returns a zeroshard.PretrainedLoad(missing_keys, unexpected_keys,
+        mismatched_keys); last_load_stats() then says what this rank read. docs/checkpoints.md."""
         self._refresh_module_state()
-        loaded = self._core.load_pretrained(os.fspath(path), strict)
+        path = os.fspath(path)
+        loaded = self._core.load_pretrained(path, strict, _pretrained.tensor_renames(path, self.module, key_mapping))
         self._last_load_stats = {k: loaded[k] for k in ("files", "param_bytes_read", "module_state_bytes_read",
                                                          "header_bytes_read", "bytes_read")}
         return PretrainedLoad(loaded["missing"], loaded["unexpected"], loaded["mismatched"])

@@ -1,6 +1,10 @@
-"""What Engine.load_pretrained returns (the loading itself is C++: Engine::loadPretrained)."""
+"""What Engine.load_pretrained returns, and the renames of file tensor names it passes on (the
+loading itself is C++: Engine::loadPretrained)."""
 
+import re
 from typing import NamedTuple
+
+from zeroshard import _C
 
 
 class PretrainedLoad(NamedTuple):
@@ -17,3 +21,73 @@ class PretrainedLoad(NamedTuple):
     missing_keys: list
     unexpected_keys: list
     mismatched_keys: list
+
+
+def tensor_renames(path, module, key_mapping=None):
+    """The exact renames {file tensor name: state-dict name} that Engine::loadPretrained takes
+    for the checkpoint at `path` (its tensor names read from the headers only).
+
+    key_mapping {regex: replacement}: each pattern in turn is re.sub'ed into every name (as
+    transformers 5 applies from_pretrained(key_mapping=...), one renaming after another).
+    Without it, a transformers PreTrainedModel gets transformers' own conversion mapping (the
+    renames its from_pretrained applies, e.g. GPT-NeoX's embed_out -> lm_head); other models
+    none. Errors here (a bad pattern, a WeightConverter) are the same on every rank."""
+    if key_mapping is None and not is_transformers_model(module):
+        return {}
+    try:
+        names = _C.pretrained_tensor_names(path)
+    except RuntimeError:
+        # Unreadable here: the collective load reports it on every rank (Note [agreement])
+        # instead of this rank raising alone while the others wait in it.
+        return {}
+    if key_mapping is None:
+        return _transformers_renames(names, module)
+    compiled = [(re.compile(pattern), replacement) for pattern, replacement in dict(key_mapping).items()]
+    renames = {}
+    for name in names:
+        renamed = name
+        for pattern, replacement in compiled:
+            renamed = pattern.sub(replacement, renamed)
+        if renamed != name:
+            renames[name] = renamed
+    return renames
+
+
+def is_transformers_model(module):
+    # transformers is imported only for a model whose class comes from it.
+    if not hasattr(module, "config") or not any(c.__module__.split(".")[0] == "transformers"
+                                                for c in type(module).__mro__):
+        return False
+    from transformers.modeling_utils import PreTrainedModel
+    return isinstance(module, PreTrainedModel)
+
+
+def _transformers_renames(names, module):
+    """transformers' WeightRenaming transforms for `module`, applied as its loading applies them:
+    every renaming in turn, each with its own semantics (pattern lists, capture groups, the
+    scope_prefix of a sub-model's transforms, a GroupWeightRename's guard, which is why the
+    names go in the order its loader sorts them). A WeightConverter (a tensor operation, e.g.
+    merging per-expert weights) that matches a name is an error: zeroshard reads tensors as
+    they are stored."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
+
+    transforms = get_model_conversion_mapping(module)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renames = {}
+    for name in sorted(names, key=dot_natural_key):
+        renamed = name
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        for converter in converters:
+            _, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                raise ValueError(
+                    f"load_pretrained: tensor '{name}' of the checkpoint needs transformers' {converter!r} "
+                    f"for {type(module).__name__} (its pattern '{pattern}' matches), which changes tensors, "
+                    "not only names; zeroshard reads tensors as they are stored: convert the checkpoint once "
+                    "(from_pretrained, then safetensors.torch.save_file(model.state_dict(), ...)) and load that")
+        if renamed != name:
+            renames[name] = renamed
+    return renames

@@ -4,7 +4,8 @@ Held to: the stage-3 units of the common layouts are found without configuration
 model.layers, GPT-2's transformer.h, GPT-NeoX's gpt_neox.layers) on a model built on the meta
 device and initialised through its _init_weights; examples/finetune_hf.py under torchrun on 2
 ranks (meta build, load_pretrained from a sharded safetensors checkpoint, ZeRO-3 fine-tuning,
-save_16bit_model) gives logits equal to from_pretrained's, before and after training.
+save_16bit_model) gives logits equal to from_pretrained's, before and after training, for Llama
+and for GPT-NeoX (whose checkpoint names its head embed_out.weight, transformers' renaming).
 """
 
 import functools
@@ -75,16 +76,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_finetune_example_loads_trains_and_saves_for_from_pretrained(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_finetune_example_loads_trains_and_saves_for_from_pretrained(tmp_path, arch):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), EXAMPLE, "--work", str(tmp_path), "--steps", "3"]
+               str(_free_port()), EXAMPLE, "--work", str(tmp_path), "--steps", "3", "--arch", arch]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["missing"] == [] and result["unexpected"] == []
     assert result["loaded_equal"], done.stdout
     assert result["reloaded_equal"], result["max_diff"]
-    assert result["units"][0] == "model.layers.0"
+    assert result["units"][0] == f"{LAYERS[arch]}.0"
     # The pretrained checkpoint was sharded, so loading went through the index.
-    assert (tmp_path / "pretrained" / "model.safetensors.index.json").exists()
+    index = json.loads((tmp_path / "pretrained" / "model.safetensors.index.json").read_text())
+    if arch == "gpt_neox":
+        # save_pretrained stores the head as embed_out.weight; transformers' conversion mapping
+        # renames it to the model's lm_head.weight, and load_pretrained applies that mapping.
+        assert "embed_out.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]

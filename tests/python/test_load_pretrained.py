@@ -72,7 +72,9 @@ def files(tmp_path_factory):
     bad["extra.weight"] = torch.ones(3)
     bad["odd"] = fp32["odd"][:52].clone()
     save_file(bad, root / "bad.safetensors")
-    return {"root": str(root), "fp32": str(root / "fp32.safetensors"), "bf16": str(root / "bf16"),
+    # Every name under a prefix, as a checkpoint of a wrapping model stores them.
+    save_file({f"transformer.{k}": v for k, v in fp32.items()}, root / "renamed.safetensors")
+    return {"renamed": str(root / "renamed.safetensors"), "root": str(root), "fp32": str(root / "fp32.safetensors"), "bf16": str(root / "bf16"),
             "sharded": str(root / "sharded"), "index": str(root / "sharded" / "model.safetensors.index.json"),
             "bad": str(root / "bad.safetensors")}
 
@@ -170,6 +172,19 @@ def _problems(group, files):
     for name, path in (("nothing", files["root"] + "/nothing"), ("no_checkpoint", files["root"])):
         try:
             engine.load_pretrained(path)
+        except RuntimeError as e:
+            out[name] = str(e)
+    out["renamed_without_mapping"] = engine.load_pretrained(files["renamed"], strict=False)
+    # key_mapping's patterns apply in turn: the second sees the first's result.
+    out["renamed"] = engine.load_pretrained(files["renamed"], key_mapping={r"^transformer\.": "model.",
+                                                                       r"^model\.": ""})
+    out["wrong_renamed"] = _differing(engine.full_state_dict(dtype=torch.float32), _expected("fp32"))
+    # A rename onto a name another tensor of the file has, and one onto no name of the model.
+    for name, path, mapping in (("collision", files["fp32"], {r"^norm\.weight$": "norm.bias"}),
+                                ("unknown", files["bad"], {r"^extra\.": "more.", r"^norm\.weight$": "norm.bias"}),
+                                ("reshaped", files["bad"], {r"^extra\.weight$": "odd"})):
+        try:
+            engine.load_pretrained(path, key_mapping=mapping)
         except RuntimeError as e:
             out[name] = str(e)
     engine.backward(model.loss(torch.zeros(2, 9, dtype=torch.long)))
@@ -319,3 +334,24 @@ def test_errors_name_the_path_and_the_call_must_come_between_steps(runs, files):
         assert f"'{files['root']}/nothing' does not exist" in r["nothing"]
         assert f"directory '{files['root']}' holds neither model.safetensors nor" in r["no_checkpoint"]
         assert "load_pretrained() must be called between optimizer steps" in r["inside_window"]
+
+
+def test_key_mapping_renames_the_files_tensors_before_matching(runs, files):
+    for r in (results["problems"] for results in runs(2)):
+        # Without the mapping nothing fits (and nothing is loaded with strict=False).
+        missing, unexpected, _ = r["renamed_without_mapping"]
+        assert sorted(unexpected) == sorted(f"transformer.{k}" for k in _source())
+        assert TIED not in missing and set(missing) == set(_source())
+        assert r["renamed"] == ([], [], []) and r["wrong_renamed"] == []
+
+
+def test_a_rename_onto_a_taken_or_unknown_name_is_reported_with_both_names(runs, files):
+    for r in (results["problems"] for results in runs(2)):
+        # The file's own norm.bias comes first in its header, so the renamed norm.weight is extra.
+        assert "1 missing: norm.weight; 1 unexpected: norm.weight (as norm.bias);" in r["collision"]
+        # bad.safetensors lacks norm.bias: the renamed norm.weight fills it; extra.weight is still extra.
+        assert "1 missing: norm.weight; 1 unexpected: extra.weight (as more.weight);" in r["unknown"]
+        assert r["unknown"].endswith("nothing was loaded on any rank")
+        # extra.weight comes before the file's own odd: it is taken as odd, with its shape.
+        assert ("1 unexpected: odd; 1 with another shape: extra.weight (as odd; file [3], model [53]);"
+                in r["reshaped"])

@@ -121,8 +121,19 @@ const PretrainedFiles::Located* PretrainedFiles::find(const std::string& name) c
 }
 
 PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<Bucket>& buckets,
-                                const ModuleState& state) {
+                                const ModuleState& state, const TensorRenames& renames) {
   PretrainedMatch match;
+  auto modelName = [&](const std::string& fileName) -> const std::string& {
+    const auto it = renames.find(fileName);
+    return it == renames.end() ? fileName : it->second;
+  };
+  // The files' tensors under the model's names; on a collision the first in file order is kept.
+  std::unordered_map<std::string, const PretrainedFiles::Located*> byModelName;
+  for (const auto& name : files.names()) byModelName.emplace(modelName(name), files.find(name));
+  auto find = [&](const std::string& name) -> const PretrainedFiles::Located* {
+    const auto it = byModelName.find(name);
+    return it == byModelName.end() ? nullptr : it->second;
+  };
   std::unordered_set<std::string> known;
   // One piece of the model under all its names: the first present is read, every present one
   // must have the model's shape, and it is missing only when none is present.
@@ -131,10 +142,11 @@ PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<
     bool mismatched = false;
     for (const auto& name : names) {
       known.insert(name);
-      const auto* found = files.find(name);
+      const auto* found = find(name);
       if (found == nullptr) continue;
       if (found->entry->shape != shape) {
-        match.mismatched.push_back({name, found->entry->shape, shape});
+        match.mismatched.push_back(
+            {name, found->entry->shape, shape, found->entry->name != name ? found->entry->name : std::string()});
         mismatched = true;
       } else if (taken == nullptr) {
         taken = found;
@@ -172,7 +184,8 @@ PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<
   }
   for (const auto& key : state.keys) known.insert(key);
   for (const auto& name : files.names()) {
-    if (!known.count(name)) match.unexpected.push_back(name);
+    const std::string& as = modelName(name);
+    if (!known.count(as) || find(as)->entry->name != name) match.unexpected.push_back(name);
   }
 
   // Missing and mismatched in the model's state-dict order (the buckets' order differs from it).
@@ -189,8 +202,13 @@ PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<
   return match;
 }
 
-std::string describeMismatch(const std::string& path, const PretrainedMatch& match) {
+std::string describeMismatch(const std::string& path, const PretrainedMatch& match, const TensorRenames& renames) {
   std::ostringstream out;
+  auto both = [&](const std::string& fileName) {
+    const auto it = renames.find(fileName);
+    if (it != renames.end() && it->second != fileName) out << fileName << " (as " << it->second << ")";
+    else out << fileName;
+  };
   out << "'" << path << "' does not fit the model (strict=True):";
   auto list = [&](const char* what, size_t n, const std::function<void(size_t)>& item) {
     out << " " << n << " " << what;
@@ -202,10 +220,12 @@ std::string describeMismatch(const std::string& path, const PretrainedMatch& mat
     out << ";";
   };
   list("missing", match.missing.size(), [&](size_t i) { out << match.missing[i]; });
-  list("unexpected", match.unexpected.size(), [&](size_t i) { out << match.unexpected[i]; });
+  list("unexpected", match.unexpected.size(), [&](size_t i) { both(match.unexpected[i]); });
   list("with another shape", match.mismatched.size(), [&](size_t i) {
     const auto& m = match.mismatched[i];
-    out << m.name << " (file " << c10::IntArrayRef(m.fileShape) << ", model " << c10::IntArrayRef(m.modelShape)
+    if (m.fileName.empty()) out << m.name << " (file ";
+    else out << m.fileName << " (as " << m.name << "; file ";
+    out << c10::IntArrayRef(m.fileShape) << ", model " << c10::IntArrayRef(m.modelShape)
         << ")";
   });
   out << " load_pretrained(path, strict=False) loads the tensors that fit and returns these lists";

@@ -18,9 +18,10 @@
 namespace zeroshard {
 
 struct ShapeMismatch {
-  std::string name;
+  std::string name;  // the model's state-dict name
   std::vector<int64_t> fileShape;
   std::vector<int64_t> modelShape;
+  std::string fileName;  // the tensor's name in the file, when renamed (otherwise empty)
 };
 
 // What Engine::loadPretrained found and read on this rank.
@@ -74,6 +75,12 @@ class PretrainedFiles {
   std::unordered_map<std::string, Located> where_;
 };
 
+// File tensor name -> the model's state-dict name it is loaded as (transformers renames some
+// keys on load, e.g. GPT-NeoX's embed_out.weight is lm_head.weight); names not in it are taken
+// as they are, entries for names no file holds are ignored. Exact names: the Python layer turns
+// regex key mappings into this map.
+using TensorRenames = std::unordered_map<std::string, std::string>;
+
 // Which tensor of the files each piece of the model takes (nullptr: none, it stays as it is),
 // and the three lists of what does not fit. Tied weights are read once: a trained parameter
 // takes its first name present in the files (its own, then its aliases in state-dict order),
@@ -87,13 +94,17 @@ struct PretrainedMatch {
   bool fits() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
 };
 
-// Throws naming the tensor and file when a trained parameter would take a tensor that is not
-// floating-point.
+// Files' names are matched after `renames`; two file tensors that become one name: the first
+// (file order) is taken, the other is unexpected, as is a tensor renamed to no name of the
+// model. `unexpected` holds file names. Throws naming the tensor and file when a trained
+// parameter would take a tensor that is not floating-point.
 PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<Bucket>& buckets,
-                                const ModuleState& state);
+                                const ModuleState& state, const TensorRenames& renames = {});
 
-// The strict error: what did not fit, each list capped at kListedNames names ("and N more").
-std::string describeMismatch(const std::string& path, const PretrainedMatch& match);
+// The strict error: what did not fit, each list capped at kListedNames names ("and N more"); a
+// renamed tensor shows both names ("embed_out.weight (as lm_head.weight)").
+std::string describeMismatch(const std::string& path, const PretrainedMatch& match,
+                             const TensorRenames& renames = {});
 constexpr size_t kListedNames = 20;
 
 } // namespace zeroshard

@@ -108,8 +108,8 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, deadline=None, lin
     return [outcomes.get(r) for r in range(world_size)]
 
 
-def _run_cases(rank, world_size, fn, cases, agreement_timeout):
-    """On each rank: fn(rank, world_size, *args) for each (name, args) of cases, in order.
+def _run_cases(rank, world_size, cases, agreement_timeout):
+    """On each rank: fn(rank, world_size, *args) for each (name, (fn, *args)) of cases, in order.
     Returns {name: ("ok", result) or ("error", traceback)}; a case missing was not run.
 
     After each case the ranks agree, over a group of their own, whether it failed anywhere; if
@@ -121,7 +121,7 @@ def _run_cases(rank, world_size, fn, cases, agreement_timeout):
 
     agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=agreement_timeout))
     outcomes = {}
-    for name, args in cases:
+    for name, (fn, *args) in cases:
         try:
             outcomes[name] = ("ok", fn(rank, world_size, *args))
         except Exception:  # the case's failure is its own; the next ones may still be run
@@ -135,19 +135,20 @@ def _run_cases(rank, world_size, fn, cases, agreement_timeout):
 
 
 class SharedRuns:
-    """Many cases of one rank function, run in one spawn per world size.
+    """Many cases run in one spawn per world size.
 
-    cases: {world_size: {name: args}}; fn(rank, world_size, *args) runs on every rank of the
-    world size's run, case after case in the order given, in one process per rank, so a case
-    must build all it uses (seeds included) and leave no state behind. The run of a world size
-    is spawned the first time one of its cases is asked for: result(world_size, name) returns
-    that case's results by rank, or raises an AssertionError naming the case and the rank it
-    failed on (or the earlier case whose failure stopped the run before it). timeout bounds
-    each collective, as for run_ranks; the whole run gets timeout per case.
+    cases: {world_size: {name: (fn, *args)}}; fn(rank, world_size, *args), a module-level
+    function as for run_ranks, runs on every rank of the world size's run, case after case in
+    the order given, in one process per rank, so a case must build all it uses (seeds
+    included) and leave no state behind. The run of a world size is spawned the first time one
+    of its cases is asked for: result(world_size, name) returns that case's results by rank, or
+    raises an AssertionError naming the case and every rank's traceback (or the earlier case
+    whose failure stopped the run before it). timeout bounds each collective, as for
+    run_ranks; the whole run gets timeout per case.
     """
 
-    def __init__(self, fn, cases, timeout=DEFAULT_TIMEOUT):
-        self._fn, self._timeout = fn, timeout
+    def __init__(self, cases, timeout=DEFAULT_TIMEOUT):
+        self._timeout = timeout
         self._cases = {ws: list(by_name.items()) for ws, by_name in cases.items()}
         self._runs = {}
 
@@ -157,7 +158,7 @@ class SharedRuns:
         if world_size not in self._runs:
             deadline = self._timeout * len(cases) + 60
             try:
-                self._runs[world_size] = run_ranks(_run_cases, world_size, self._fn, cases, deadline,
+                self._runs[world_size] = run_ranks(_run_cases, world_size, cases, deadline,
                                                    timeout=self._timeout, deadline=deadline)
             except AssertionError as e:  # every case of the run reports what stopped it
                 self._runs[world_size] = AssertionError(

@@ -152,17 +152,26 @@ class SharedRuns:
         self._cases = {ws: list(by_name.items()) for ws, by_name in cases.items()}
         self._runs = {}
 
+    def run_all(self):
+        """Spawns the run of every world size not run yet; what failed is left to its cases."""
+        for world_size, cases in self._cases.items():
+            if world_size not in self._runs:
+                self._run(world_size, cases)
+
+    def _run(self, world_size, cases):
+        deadline = self._timeout * len(cases) + 60
+        try:
+            self._runs[world_size] = run_ranks(_run_cases, world_size, cases, deadline,
+                                               timeout=self._timeout, deadline=deadline)
+        except AssertionError as e:  # every case of the run reports what stopped it
+            self._runs[world_size] = AssertionError(
+                f"the shared run of {len(cases)} cases at world size {world_size} failed:\n{e}")
+
     def result(self, world_size, name):
         cases = self._cases[world_size]
         assert name in dict(cases), f"no case {name!r} at world size {world_size}"
         if world_size not in self._runs:
-            deadline = self._timeout * len(cases) + 60
-            try:
-                self._runs[world_size] = run_ranks(_run_cases, world_size, cases, deadline,
-                                                   timeout=self._timeout, deadline=deadline)
-            except AssertionError as e:  # every case of the run reports what stopped it
-                self._runs[world_size] = AssertionError(
-                    f"the shared run of {len(cases)} cases at world size {world_size} failed:\n{e}")
+            self._run(world_size, cases)
         run = self._runs[world_size]
         if isinstance(run, AssertionError):
             raise run

@@ -1,10 +1,18 @@
-"""The communicator through the Python binding, on real Gloo groups of 1, 2 and 4 ranks."""
+"""The communicator through the Python binding, on real Gloo groups of 1, 2 and 4 ranks (one
+spawned run per world size, spawn.SharedRuns, each case with its own result and failure)."""
 
 import pytest
 import torch
 
 from conftest import WORLD_SIZES
-from spawn import run_ranks
+from spawn import SharedRuns, run_ranks
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {ws: {"collectives": (_collectives,)} for ws in WORLD_SIZES}
+    cases[4]["subgroup"] = (_subgroup,)
+    return SharedRuns(cases)
 
 
 def _collectives(rank, world_size):
@@ -51,8 +59,8 @@ def _collectives(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_collectives_values_and_bytes(world_size):
-    assert run_ranks(_collectives, world_size) == [True] * world_size
+def test_collectives_values_and_bytes(runs, world_size):
+    assert runs.result(world_size, "collectives") == [True] * world_size
 
 
 def _subgroup(rank, world_size):
@@ -69,8 +77,8 @@ def _subgroup(rank, world_size):
     return (comm.world_size, t.tolist())
 
 
-def test_user_process_group_is_used():
-    assert run_ranks(_subgroup, 4)[:2] == [(2, [3.0, 3.0])] * 2
+def test_user_process_group_is_used(runs):
+    assert runs.result(4, "subgroup")[:2] == [(2, [3.0, 3.0])] * 2
 
 
 def _dead_peer(rank, world_size):

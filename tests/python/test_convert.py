@@ -1,6 +1,8 @@
 """python -m zeroshard.convert: a checkpoint becomes one state dict (.safetensors or .pt) that
 equals engine.full_state_dict() and loads into the plain model with strict=True, written in a
-fresh interpreter with no process group and no GPU."""
+fresh interpreter with no process group and no GPU. The training runs that save the
+checkpoints share one spawned run per world size (spawn.SharedRuns), each case with its own
+result and failure."""
 
 import os
 import subprocess
@@ -13,7 +15,20 @@ from checkpoint_runs import config as _config
 from checkpoint_runs import damage as _damage
 from checkpoint_runs import train as _train
 from models import StatefulTransformer, make_stateful_model
-from spawn import run_ranks
+from spawn import SharedRuns
+
+PRECISIONS = ("fp32", "bf16")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpts")
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts):
+    return SharedRuns({1: {"damaged": (_save_for_conversion, str(ckpts / "damaged"), "fp32")},
+                       2: {p: (_save_for_conversion, str(ckpts / p), p) for p in PRECISIONS}})
 
 
 def _save_for_conversion(rank, world_size, ckpt, precision):
@@ -38,14 +53,14 @@ def _convert(*args):
     return done
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_model(tmp_path, precision):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_model(runs, ckpts, tmp_path, precision):
     from safetensors.torch import load_file
 
-    full = run_ranks(_save_for_conversion, 2, str(tmp_path / "ckpt"), precision)[0]
+    full = runs.result(2, precision)[0]
     dtype_flag = ["--dtype", "bf16"] if precision == "bf16" else []
-    _convert(tmp_path / "ckpt", tmp_path / "model.safetensors", *dtype_flag)
-    _convert(tmp_path / "ckpt", tmp_path / "model.pt", *dtype_flag)
+    _convert(ckpts / precision, tmp_path / "model.safetensors", *dtype_flag)
+    _convert(ckpts / precision, tmp_path / "model.pt", *dtype_flag)
     # --dtype casts the trained parameters (and their second names); buffers and the frozen
     # parameter keep their dtype, as in the model's own state dict.
     trained = {n for n, p in StatefulTransformer().named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -59,11 +74,11 @@ def test_the_converted_file_equals_full_state_dict_and_loads_into_the_plain_mode
         plain.load_state_dict(converted, strict=True)
 
 
-def test_convert_reports_a_damaged_checkpoint_and_writes_nothing(tmp_path):
-    run_ranks(_save_for_conversion, 1, str(tmp_path / "ckpt"), "fp32")
-    _damage(tmp_path / "ckpt" / "global_step2" / "rank_00000.safetensors", "flip")
+def test_convert_reports_a_damaged_checkpoint_and_writes_nothing(runs, ckpts, tmp_path):
+    runs.result(1, "damaged")
+    _damage(ckpts / "damaged" / "global_step2" / "rank_00000.safetensors", "flip")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", str(tmp_path / "ckpt"),
+    done = subprocess.run([sys.executable, "-m", "zeroshard.convert", str(ckpts / "damaged"),
                            str(tmp_path / "model.safetensors")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0

@@ -4,6 +4,8 @@ Held to: single-process torch AdamW with DeepSpeed's WarmupDecayLR formula on th
 DeepSpeed's dataloader gives each rank (ds_script.py at stages 1-3, 2 ranks), DeepSpeed's
 observed behaviour (counters, get_lr, boundaries, checkpoints, the dataloader, save_16bit_model,
 GatheredParameters), and, where DeepSpeed is installed, DeepSpeed itself running the same script.
+The three groups of cases below share one spawned pair of ranks (spawn.SharedRuns), each group
+with its own result and failure.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import torch
 import zeroshard.deepspeed as deepspeed
 from zeroshard.deepspeed.config import resolve_config
 from ds_script import LanguageModel, TokenDataset
-from spawn import run_ranks
+from spawn import SharedRuns
 from deepspeed_runs import (GAS, LR, MICRO, SCHEDULE, STEPS, WD, WORLD, client_adamw, client_schedule,
                             dataloader_and_checkpoints, ds_config, gathered_parameters_and_16bit_model)
 from training import AdamWReference
@@ -78,16 +80,24 @@ def _run_script_stages(rank, world, configs):
 
 
 @pytest.fixture(scope="module")
-def script_records(tmp_path_factory):
-    """ds_script.py's record at stages 1, 2 and 3 (rank 0's), one spawned run for the three."""
+def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds_script")
     configs = []
     for stage in (1, 2, 3):
         path = tmp / f"stage{stage}.json"
         path.write_text(json.dumps(ds_config(stage)))
         configs.append((stage, str(path)))
-    records = run_ranks(_run_script_stages, WORLD, configs, timeout=120)
-    return records[0]
+    return SharedRuns({WORLD: {
+        "script": (_run_script_stages, configs),
+        "behaviours": (dataloader_and_checkpoints, str(tmp_path_factory.mktemp("checkpoints"))),
+        "gathered": (gathered_parameters_and_16bit_model, str(tmp_path_factory.mktemp("gathered"))),
+    }})
+
+
+@pytest.fixture(scope="module")
+def script_records(runs):
+    """ds_script.py's record at stages 1, 2 and 3 (rank 0's)."""
+    return runs.result(WORLD, "script")[0]
 
 
 def test_the_deepspeed_script_at_stages_1_to_3_matches_torch_adamw_with_the_schedule(script_records):
@@ -146,8 +156,8 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def behaviours(tmp_path_factory):
-    return run_ranks(dataloader_and_checkpoints, WORLD, str(tmp_path_factory.mktemp("checkpoints")), timeout=120)
+def behaviours(runs):
+    return runs.result(WORLD, "behaviours")
 
 
 def test_the_dataloader_is_deepspeeds_distributed_sampler_over_micro_batches(behaviours):
@@ -224,8 +234,8 @@ def test_the_config_schedule_resumes_from_a_checkpoint_where_it_was(behaviours):
 
 
 @pytest.fixture(scope="module")
-def gathered(tmp_path_factory):
-    return run_ranks(gathered_parameters_and_16bit_model, WORLD, str(tmp_path_factory.mktemp("gathered")), timeout=120)
+def gathered(runs):
+    return runs.result(WORLD, "gathered")
 
 
 @pytest.mark.parametrize("stage", [1, 3])

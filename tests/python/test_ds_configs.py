@@ -3,8 +3,10 @@ in the wild (the Hugging Face Trainer's templates with "auto", a fine-tuning pro
 file without an optimizer section, DeepSpeed's own examples, comment keys and monitors, old key
 names, offload device "none"); each loads, its "auto" keys resolve the way the Trainer fills
 them, and it trains at 2 ranks. Also: the "auto" rules through initialize, and torch schedulers
-through engine.optimizer."""
+through engine.optimizer. The spawned cases share one run per world size (spawn.SharedRuns),
+each with its own result and failure."""
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from models import global_batch, make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import AdamWReference, engine_config, train_global_batches
 
 import zeroshard
@@ -49,6 +51,19 @@ EXPECTED = {
     "onecycle_tutorial.json": (2, []),
     "fp16_range_test_old_keys.json": (3, ["fp16.auto_cast"]),
 }
+
+
+SCHEDULERS = [(2, "lambda"), (3, "lambda"), (3, "hf")]  # (stage, kind) of the torch scheduler cases
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cases = {"corpus": (_run_corpus,), "initialize_errors": (_initialize_errors,)}
+    for stage, kind in SCHEDULERS:
+        if kind != "hf" or importlib.util.find_spec("transformers") is not None:  # else the case skips
+            cases[f"schedulers_stage{stage}_{kind}"] = (_torch_schedulers, stage, kind)
+    cases["scheduler_checkpoint"] = (_scheduler_checkpoint, str(tmp_path_factory.mktemp("scheduler_checkpoint")))
+    return SharedRuns({1: {"replaced": (_replaced,)}, 2: cases})
 
 
 def _load(name):
@@ -103,8 +118,8 @@ def _run_corpus(rank, world_size):
     return out
 
 
-def test_every_config_trains_at_two_ranks_after_the_trainers_fill():
-    results = run_ranks(_run_corpus, 2, timeout=240)
+def test_every_config_trains_at_two_ranks_after_the_trainers_fill(runs):
+    results = runs.result(2, "corpus")
     h = 24  # make_model's width: the hidden size read from the weights
     for name, (autos, steps, losses, reduce_bucket, stage) in results[0].items():
         assert autos == [], name
@@ -124,7 +139,15 @@ def _initialize_errors(rank, world_size):
         def emit(self, record):
             records.append(record.getMessage())
 
-    logging.getLogger("zeroshard").addHandler(Keep())
+    keep = Keep()
+    logging.getLogger("zeroshard").addHandler(keep)
+    try:
+        return _initialize_errors_logged(records)
+    finally:  # the next cases of the shared run log as usual
+        logging.getLogger("zeroshard").removeHandler(keep)
+
+
+def _initialize_errors_logged(records):
     errors = []
     for auto in ({}, {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}):
         try:
@@ -143,8 +166,8 @@ def _initialize_errors(rank, world_size):
     return errors, records, (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold)
 
 
-def test_initialize_names_every_open_auto_and_logs_what_each_became():
-    (errors, records, sizes), (_, other_records, _) = run_ranks(_initialize_errors, 2)
+def test_initialize_names_every_open_auto_and_logs_what_each_became(runs):
+    (errors, records, sizes), (_, other_records, _) = runs.result(2, "initialize_errors")
     assert len(errors) == 2
     assert '"optimizer.params.lr"' in errors[0] and '"train_micro_batch_size_per_gpu"' in errors[0]
     assert 'auto={"gradient_clipping": ...' in errors[0]
@@ -175,13 +198,13 @@ def _torch_schedulers(rank, world_size, stage, kind):
     return lrs, state
 
 
-@pytest.mark.parametrize("stage,kind", [(2, "lambda"), (3, "lambda"), (3, "hf")])
-def test_a_torch_scheduler_of_engine_optimizer_sets_each_steps_lr(stage, kind):
+@pytest.mark.parametrize("stage,kind", SCHEDULERS)
+def test_a_torch_scheduler_of_engine_optimizer_sets_each_steps_lr(runs, stage, kind):
     """A torch scheduler (or the Hugging Face get_linear_schedule_with_warmup helper) built on
     engine.optimizer: the engine uses the lr it sets at every step, as torch.optim.AdamW does."""
     if kind == "hf":
         pytest.importorskip("transformers")
-    results = run_ranks(_torch_schedulers, 2, stage, kind)
+    results = runs.result(2, f"schedulers_stage{stage}_{kind}")
     model = make_model()
     reference = AdamWReference(model)
     sched = _schedule(kind)(reference.optimizer)
@@ -215,8 +238,8 @@ def _scheduler_checkpoint(rank, world_size, tmp):
     return uninterrupted, (engine.get_lr(), engine.full_state_dict()), client, after_load, engine.lr_scheduler.last_epoch
 
 
-def test_a_client_scheduler_is_checkpointed_and_resumes_exactly(tmp_path):
-    for (lr, state), (lr2, state2), client, after_load, last_epoch in run_ranks(_scheduler_checkpoint, 2, str(tmp_path)):
+def test_a_client_scheduler_is_checkpointed_and_resumes_exactly(runs):
+    for (lr, state), (lr2, state2), client, after_load, last_epoch in runs.result(2, "scheduler_checkpoint"):
         assert client == {"epoch": 3}
         assert after_load == 0.25 * 1e-2  # two steps into 0.5 ** s
         assert (lr2, last_epoch) == (lr, 4)
@@ -224,8 +247,8 @@ def test_a_client_scheduler_is_checkpointed_and_resumes_exactly(tmp_path):
             assert torch.equal(state[name], state2[name]), name
 
 
-def test_a_client_scheduler_replaces_the_configs_with_a_warning():
-    assert run_ranks(_replaced, 1)[0]
+def test_a_client_scheduler_replaces_the_configs_with_a_warning(runs):
+    assert runs.result(1, "replaced")[0]
 
 
 def _replaced(rank, world_size):

@@ -1,4 +1,10 @@
-"""Engine properties other than parity: exact memory and traffic per stage, and clear errors."""
+"""Engine properties other than parity: exact memory and traffic per stage, and clear errors.
+
+The cases share one spawned run per world size (spawn.SharedRuns), each with its own result and
+failure.
+"""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,8 +12,24 @@ import torch
 from conftest import WORLD_SIZES
 from model_state import SHARD_ALIGNMENT, model_state_bytes, padded_numel, param_numel
 from models import global_batch, make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import engine_config, train_global_batches
+
+
+ONE_STEP = [(0, 1), (1, 1), (2, 1), (2, 2)]  # (stage, gradient_accumulation_steps)
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "zero2.json"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {ws: {f"one_step_stage{stage}_gas{gas}": (_one_step, stage, gas) for stage, gas in ONE_STEP}
+             for ws in WORLD_SIZES}
+    cases[1]["from_file"] = (_from_file, str(SHIPPED_CONFIG))
+    for ws in (2, 4):
+        cases[ws]["gather_buckets"] = (_gather_buckets,)
+    cases[2]["plans"] = (_plans,)
+    cases[2]["errors"] = (_errors,)  # last: its engines stop in the middle of a step
+    return SharedRuns(cases)
 
 
 def _config(stage, gas=1):
@@ -25,13 +47,13 @@ def _one_step(rank, world_size, stage, gas):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_memory_and_traffic_follow_the_stage_formulas(world_size):
+def test_memory_and_traffic_follow_the_stage_formulas(runs, world_size):
     """Per-rank bytes: stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N (fp32: params and
     grads 4 bytes, exp_avg + exp_avg_sq 8; the fp32 params are the master weights). One step
     moves 2Ψ elements of traffic at every stage; Ψ is the padded size."""
 
     def check(stage, gas):
-        results = run_ranks(_one_step, world_size, stage, gas)
+        results = runs.result(world_size, f"one_step_stage{stage}_gas{gas}")
         n = world_size
         for numel, mem, comm in results:
             padded = padded_numel(numel, n)
@@ -52,9 +74,8 @@ def test_memory_and_traffic_follow_the_stage_formulas(world_size):
             assert comm["broadcast"]["calls"] == 0
             assert comm["traffic_bytes"] == (1 + reductions) * psi
 
-    for stage in (0, 1, 2):
-        check(stage, gas=1)
-    check(2, gas=2)
+    for stage, gas in ONE_STEP:
+        check(stage, gas)
 
 
 def _gather_buckets(rank, world_size):
@@ -74,12 +95,12 @@ def _gather_buckets(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_allgather_bucket_size_bounds_each_parameter_gather(world_size):
+def test_allgather_bucket_size_bounds_each_parameter_gather(runs, world_size):
     """Stages 1 and 2 all-gather the updated parameters in calls of at most
     allgather_bucket_size elements: the one bucket of the model (padded to P elements) takes
     ceil(S / (limit // N)) calls for a shard of S = P / N, moving P x 4 bytes in all as one call
     would; the weights are bitwise those of one call per bucket."""
-    numel, results = run_ranks(_gather_buckets, world_size)[0]
+    numel, results = runs.result(world_size, "gather_buckets")[0]
     padded = padded_numel(numel, world_size)
     shard = padded // world_size
     for stage in (1, 2):
@@ -133,8 +154,8 @@ def _errors(rank, world_size):
     return True
 
 
-def test_bad_input_gives_clear_errors():
-    assert run_ranks(_errors, 2) == [True, True]
+def test_bad_input_gives_clear_errors(runs):
+    assert runs.result(2, "errors") == [True, True]
 
 
 def _from_file(rank, world_size, path):
@@ -143,11 +164,8 @@ def _from_file(rank, world_size, path):
     return zeroshard.initialize(make_model(), path).stage
 
 
-def test_config_argument_accepts_a_shipped_file():
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "configs" / "zero2.json"
-    assert run_ranks(_from_file, 1, str(path)) == [2]
+def test_config_argument_accepts_a_shipped_file(runs):
+    assert runs.result(1, "from_file") == [2]
 
 
 def test_plain_python_says_once_that_it_runs_as_one_rank():
@@ -185,11 +203,11 @@ def _plans(rank, world_size):
     return plans
 
 
-def test_plan_says_what_each_stage_shards_over_which_ranks_and_where():
+def test_plan_says_what_each_stage_shards_over_which_ranks_and_where(runs):
     """engine.plan(): one line per state; stage s shards the optimizer state from 1, the
     gradients from 2 and the parameters at 3, over every rank of the group, on the compute
     device."""
-    plans = run_ranks(_plans, 2)[0]
+    plans = runs.result(2, "plans")[0]
     for stage, plan in plans.items():
         lines = plan.splitlines()
         assert [line.split(":")[0] for line in lines] == ["parameters", "gradients", "optimizer state"], plan

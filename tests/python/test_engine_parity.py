@@ -1,7 +1,8 @@
-"""Stages 0, 1 and 2 train exactly like single-process torch.optim.AdamW on the same global batch.
+"""Every stage (0 to 3) trains like single-process torch.optim.AdamW on the same global batch.
 
-Each case runs one group of real processes (Gloo) that trains the same model with stages 0, 1
-and 2 side by side, and compares every stage's losses and final parameters with a reference
+Each case trains the same model with stages 0 to 3 side by side on real processes (Gloo; the
+cases of a world size share one spawned run, spawn.SharedRuns, each with its own result and
+failure), and compares every stage's losses and final parameters with a reference
 computed here in one process. Tolerance: fp32 rounding, rtol 1e-4 / atol 1e-5 on parameters
 after STEPS steps (the reductions sum in a different order than one big batch does).
 """
@@ -11,7 +12,7 @@ import torch
 
 from conftest import WORLD_SIZES
 from models import make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import MICRO, adamw_reference, engine_config, no_decay_groups, train_global_batches
 
 STEPS = 4
@@ -48,11 +49,17 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns({ws: {name: (_train, c["gas"], c["clip"], c["two_groups"]) for name, c in CASES.items()}
+                       for ws in WORLD_SIZES})
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_stages_match_single_process_adamw(case, world_size):
+def test_stages_match_single_process_adamw(runs, case, world_size):
     kwargs = CASES[case]
-    results = run_ranks(_train, world_size, kwargs["gas"], kwargs["clip"], kwargs["two_groups"])[0]
+    results = runs.result(world_size, case)[0]
     ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * kwargs["gas"], clip=kwargs["clip"],
                                             two_groups=kwargs["two_groups"])
     for stage, (losses, state) in results.items():

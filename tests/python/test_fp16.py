@@ -1,13 +1,28 @@
 """fp16 with DeepSpeed's loss scaling: overflow skips the step on every rank, hysteresis,
 growth after loss_scale_window clean steps, min_loss_scale, static scales, and training that
-follows fp32."""
+follows fp32. The cases share one spawned pair of ranks (spawn.SharedRuns), each with its own
+result and failure."""
 
 import pytest
 import torch
 
 from models import global_batch, make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import MICRO, engine_config, train_global_batches
+
+
+HYSTERESIS = {"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}
+MIN_SCALE = {"initial_scale_power": 1, "hysteresis": 1, "min_loss_scale": 1}
+STATIC = {"loss_scale": 128}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {f"overflow_stage{stage}": (_run, stage, HYSTERESIS, {1, 2}, 7) for stage in (0, 1, 2, 3)}
+    cases["min_loss_scale"] = (_run, 2, MIN_SCALE, {0, 1, 2}, 3)
+    cases["static"] = (_run, 2, STATIC, {1}, 6)
+    cases |= {f"losses_{precision}": (_losses, precision) for precision in ("fp16", "fp32")}
+    return SharedRuns({2: cases})
 
 
 def _config(stage, precision="fp16", **loss_scaling):
@@ -40,9 +55,8 @@ def _run(rank, world_size, stage, fp16, inject_at, steps):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_overflow_on_one_rank_skips_the_step_everywhere_and_scale_follows_deepspeed(stage):
-    fp16 = {"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}
-    for history, skipped in run_ranks(_run, 2, stage, fp16, {1, 2}, 7):
+def test_overflow_on_one_rank_skips_the_step_everywhere_and_scale_follows_deepspeed(runs, stage):
+    for history, skipped in runs.result(2, f"overflow_stage{stage}"):
         scales = [h[0] for h in history]
         # Overflow 1 spends the hysteresis, overflow 2 halves; the 3rd clean step after it (a
         # whole loss_scale_window) doubles, as DeepSpeed's DynamicLossScaler.
@@ -52,15 +66,14 @@ def test_overflow_on_one_rank_skips_the_step_everywhere_and_scale_follows_deepsp
         assert skipped == 2
 
 
-def test_scale_never_drops_below_min_loss_scale():
-    fp16 = {"initial_scale_power": 1, "hysteresis": 1, "min_loss_scale": 1}
-    history, skipped = run_ranks(_run, 2, 2, fp16, {0, 1, 2}, 3)[0]
+def test_scale_never_drops_below_min_loss_scale(runs):
+    history, skipped = runs.result(2, "min_loss_scale")[0]
     assert [h[0] for h in history] == [1, 1, 1]
     assert skipped == 3
 
 
-def test_static_loss_scale_skips_overflows_and_never_changes():
-    history, skipped = run_ranks(_run, 2, 2, {"loss_scale": 128}, {1}, 6)[0]
+def test_static_loss_scale_skips_overflows_and_never_changes(runs):
+    history, skipped = runs.result(2, "static")[0]
     assert [h[0] for h in history] == [128] * 6
     assert [h[1] for h in history] == [True, False, True, True, True, True]
     assert skipped == 1
@@ -74,9 +87,9 @@ def _losses(rank, world_size, precision):
     return train_global_batches(model, engine, rank, world_size, range(6)), engine.skipped_steps
 
 
-def test_fp16_training_follows_fp32():
-    fp16, skipped = run_ranks(_losses, 2, "fp16")[0]
-    fp32, _ = run_ranks(_losses, 2, "fp32")[0]
+def test_fp16_training_follows_fp32(runs):
+    fp16, skipped = runs.result(2, "losses_fp16")[0]
+    fp32, _ = runs.result(2, "losses_fp32")[0]
     assert skipped == 0
     assert fp16 == pytest.approx(fp32, rel=1e-2)
     assert fp16[-1] < fp16[0]

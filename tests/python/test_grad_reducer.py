@@ -4,6 +4,8 @@ With overlap_comm on, a bucket's reduction runs while backward goes on and its s
 lives until the reduction is retired, with at most zeroshard.max_inflight_reductions in flight; off (DeepSpeed's default below stage 3), each reduction is
 waited for as soon as it starts, so at stages 2 and 3 one bucket's staging buffer is the most
 that exists at once. Either way the numbers are those of single-process AdamW, and the same.
+The cases share one spawned run per world size (spawn.SharedRuns), each with its own result and
+failure.
 """
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from conftest import WORLD_SIZES
 from models import make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import MICRO, AdamWReference, adamw_reference, engine_config, train_global_batches
 
 STEPS = 4
@@ -20,6 +22,15 @@ CLIP = 0.05
 RTOL, ATOL = 1e-4, 1e-5  # fp32 rounding, as in test_engine_parity.py
 DIM = 64  # LinearStack: 64 x 64 weights, a multiple of FlatLayout's alignment x 4 ranks
 LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {ws: {"overlap_off": (_train_tiny, False)} for ws in WORLD_SIZES}
+    cases[2] |= {f"staging_stage{stage}": (_staging_variants, stage) for stage in (2, 3)}
+    cases[2]["bf16_copy"] = (_train_stack, 2, False, True)
+    cases[1]["checkpointed"] = (_checkpointed,)  # last: its engines stop in the middle of a backward
+    return SharedRuns(cases)
 
 
 def _config(stage, overlap, bucket=700, extras=None, precision="fp32", gas=GAS):
@@ -41,9 +52,9 @@ def _train_tiny(rank, world_size, overlap):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_overlap_comm_off_trains_like_single_process_adamw(world_size):
+def test_overlap_comm_off_trains_like_single_process_adamw(runs, world_size):
     ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size * GAS, clip=CLIP)
-    results = run_ranks(_train_tiny, world_size, False)[0]
+    results = runs.result(world_size, "overlap_off")[0]
     for stage, (losses, state) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} losses"
         for name, ref in ref_state.items():
@@ -97,7 +108,7 @@ def _staging_variants(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_staging_is_bounded_by_the_reductions_in_flight(stage):
+def test_staging_is_bounded_by_the_reductions_in_flight(runs, stage):
     """fp32, 2 ranks, four equal one-layer buckets (units). overlap_comm off holds one layer's
     staging buffer at a time (its 16 KB, exactly). On, at most max_inflight_reductions
     reductions hold theirs while the next bucket fills its own: (cap + 1) layers at most, on
@@ -105,7 +116,7 @@ def test_staging_is_bounded_by_the_reductions_in_flight(stage):
     every layer's buffer lived until backward ended). At least two: the previous layer's
     reduction is still held when the next one starts filling. The weights are bitwise the same."""
     layer_bytes = DIM * DIM * 4
-    results = run_ranks(_staging_variants, 2, stage)
+    results = runs.result(2, f"staging_stage{stage}")
     for rank in range(2):
         _, _, reference = results[rank][0]
         for (overlap, cap), (peaks, calls, state) in zip(STAGING_VARIANTS, results[rank]):
@@ -122,10 +133,10 @@ def test_staging_is_bounded_by_the_reductions_in_flight(stage):
                 assert torch.equal(state[name], reference[name]), f"{what}, {name}"
 
 
-def test_overlap_comm_off_counts_the_fp32_copy_of_bf16_gradients():
+def test_overlap_comm_off_counts_the_fp32_copy_of_bf16_gradients(runs):
     """bf16 with reduce_dtype fp32 at stage 2: a bucket's bf16 staging buffer and its fp32 copy
     exist together while the copy is made (2 + 4 bytes per element), and nothing more."""
-    peaks, _, _ = run_ranks(_train_stack, 2, 2, False, True)[0]
+    peaks, _, _ = runs.result(2, "bf16_copy")[0]
     assert peaks == [DIM * DIM * 6] * 2, peaks
 
 
@@ -169,8 +180,8 @@ def _checkpointed(rank, world_size):
     return True
 
 
-def test_a_second_gradient_after_the_reduction_started_is_an_error():
+def test_a_second_gradient_after_the_reduction_started_is_an_error(runs):
     """Stages 0 and 1 reduce the flat gradients in place: a gradient accumulated into a bucket
     whose reduction is running would race with it and be lost, so it is refused, as at stages
     2 and 3, with the way out in the message."""
-    assert run_ranks(_checkpointed, 1) == [True]
+    assert runs.result(1, "checkpointed") == [True]

@@ -5,7 +5,8 @@ classes (deepspeed.runtime.lr_schedules on a torch AdamW, driven the same way), 
 training under a schedule matches single-process torch AdamW stepped with those values; an fp16
 step skipped for an overflow does not advance the schedule; a checkpoint carries the schedule
 on; rank 0 prints the steps_per_print line. The cases share their spawned process groups: one
-group of one rank and one of two, and two for the checkpoint.
+group of one rank, one of two (spawn.SharedRuns: its two groups of cases, the second saving
+the checkpoint, each with its own result and failure), and one rank resuming the checkpoint.
 """
 
 import json
@@ -19,7 +20,7 @@ import torch
 from checkpoint_runs import GLOBAL
 from checkpoint_runs import config as checkpoint_config
 from models import global_batch, make_model, make_stateful_model
-from spawn import run_ranks
+from spawn import SharedRuns, run_ranks
 from training import LR, MICRO, AdamWReference, engine_config, no_decay_groups, train_global_batches
 
 NO_DECAY_LR = 2e-3  # no_decay_groups' second group
@@ -265,8 +266,20 @@ def _two_ranks(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_ranks(_two_ranks, 2)
+def ckpts(tmp_path_factory):
+    """The checkpoint with a schedule, and the one without."""
+    tmp = tmp_path_factory.mktemp("schedule_checkpoints")
+    return str(tmp / "scheduled"), str(tmp / "plain")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(ckpts):
+    return SharedRuns({2: {"trained": (_two_ranks,), "checkpoint": (_save_and_resume, 2, *ckpts)}})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_runs):
+    return two_rank_runs.result(2, "trained")
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -363,9 +376,9 @@ def _save_and_resume(rank, world_size, stage, ckpt, plain_ckpt):
     return (path, uninterrupted, final, resumed) if rank == 0 else None
 
 
-def test_a_checkpoint_carries_the_schedule_on_at_the_same_and_another_world_size(tmp_path):
-    ckpt, plain = str(tmp_path / "scheduled"), str(tmp_path / "plain")
-    path, uninterrupted, final, resumed = run_ranks(_save_and_resume, 2, 2, ckpt, plain)[0]
+def test_a_checkpoint_carries_the_schedule_on_at_the_same_and_another_world_size(two_rank_runs, ckpts):
+    ckpt, plain = ckpts
+    path, uninterrupted, final, resumed = two_rank_runs.result(2, "checkpoint")[0]
     manifest = json.loads((Path(path) / "manifest.json").read_text())["manifest"]
     assert manifest["lr_scheduler"] == {"type": "OneCycle", "last_batch_iteration": SAVED - 1}
     expected, _, _ = _deepspeed(*CKPT_CASE, [LR], SAVED + RESUMED)

@@ -6,6 +6,9 @@ refreshed from it. At one rank the engine does exactly that (the bf16 losses mus
 rounding); the parameters are compared at bf16's tolerance (2%, since bf16 kernels round
 differently on differently aligned buffers and AdamW turns near-zero gradients into full-size
 steps). test_small_updates_accumulate_in_the_fp32_master checks the master itself.
+
+The cases share one spawned run per world size (spawn.SharedRuns), each with its own result and
+failure.
 """
 
 import pytest
@@ -14,10 +17,23 @@ import torch
 from conftest import WORLD_SIZES
 from model_state import model_state_bytes, padded_numel, param_numel, stage3_unit_numels
 from models import global_batch, make_model
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import MICRO, adamw_reference, engine_config, train_global_batches
 
 STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {ws: {"stages": (_train,)} for ws in WORLD_SIZES}
+    cases[1] |= {f"tiny_steps_stage{stage}": (_tiny_steps, stage) for stage in (0, 2, 3)}
+    cases[2] |= {f"reduce_dtype_stage{stage}_{dtype}": (_reduce_dtype, stage, dtype)
+                 for stage in (0, 1, 2, 3) for dtype in ("fp32", "compute")}
+    cases[2]["accumulating"] = (_accumulating,)
+    cases[2] |= {"state_dicts_bf16": (_state_dicts, True), "state_dicts_fp32": (_state_dicts, False)}
+    for ws in (2, 4):
+        cases[ws]["fp32_sums"] = (_fp32_sums,)
+    return SharedRuns(cases)
 
 
 def _config(stage, precision="bf16"):
@@ -61,8 +77,8 @@ def _assert_bf16_close(actual, expected, what):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_bf16_stages_follow_the_fp32_master_recipe(world_size):
-    results = run_ranks(_train, world_size)[0]
+def test_bf16_stages_follow_the_fp32_master_recipe(runs, world_size):
+    results = runs.result(world_size, "stages")[0]
     ref_losses, ref_state = adamw_reference(STEPS, MICRO * world_size, precision="bf16")
     exact = world_size == 1
     for stage, (losses, state, _) in results.items():
@@ -76,13 +92,13 @@ def test_bf16_stages_follow_the_fp32_master_recipe(world_size):
             _assert_bf16_close(results[stage][1][name], value, f"stage {stage} vs 0, {name}")
 
 
-def test_bf16_memory_follows_the_mixed_precision_formulas():
+def test_bf16_memory_follows_the_mixed_precision_formulas(runs):
     """Per rank: 2-byte params and grads, fp32 master + exp_avg + exp_avg_sq (12 bytes).
     stage 0: 16Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N; stage 3: 16Ψ/N, Ψ counting the
     padding of every bucket or unit. (With accumulation the gradient shard is fp32:
     test_accumulating_gradient_shards_are_fp32.)"""
     world_size = 2
-    results = run_ranks(_train, world_size)
+    results = runs.result(world_size, "stages")  # the run test_bf16_stages_follow_... checks too
     model = make_model()
     padded = padded_numel(param_numel(model), world_size)
     for rank_results in results:
@@ -119,11 +135,11 @@ def _tiny_steps(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_small_updates_accumulate_in_the_fp32_master(stage):
+def test_small_updates_accumulate_in_the_fp32_master(runs, stage):
     """An AdamW step of 2e-4 is below half a bf16 ulp for weights above 0.1 in magnitude: a
     master kept in bf16 would round every step away and never move them; the fp32 master
     accumulates the steps until most of them move."""
-    moved_once, moved_later = run_ranks(_tiny_steps, 1, stage)[0]
+    moved_once, moved_later = runs.result(1, f"tiny_steps_stage{stage}")[0]
     assert moved_later > 0.5 and moved_later > moved_once
 
 
@@ -139,12 +155,12 @@ def _reduce_dtype(rank, world_size, stage, reduce_dtype):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_reduce_dtype_fp32_sums_gradients_in_fp32(stage):
+def test_reduce_dtype_fp32_sums_gradients_in_fp32(runs, stage):
     """zeroshard.reduce_dtype = "fp32" puts fp32 on the wire for gradients (twice the bytes of
     the bf16 default) while parameters are still gathered in bf16, and trains the same."""
     world_size = 2
-    wide = run_ranks(_reduce_dtype, world_size, stage, "fp32")[0]
-    narrow = run_ranks(_reduce_dtype, world_size, stage, "compute")[0]
+    wide = runs.result(world_size, f"reduce_dtype_stage{stage}_fp32")[0]
+    narrow = runs.result(world_size, f"reduce_dtype_stage{stage}_compute")[0]
     kind = "all_reduce" if stage == 0 else "reduce_scatter"
     assert wide[0][kind]["bytes"] == 2 * narrow[0][kind]["bytes"] > 0
     assert wide[0]["all_gather"]["bytes"] == narrow[0]["all_gather"]["bytes"]
@@ -163,10 +179,10 @@ def _accumulating(rank, world_size):
     return engine.memory_stats()["grads"], engine.memory_stats()["params"]
 
 
-def test_accumulating_gradient_shards_are_fp32():
+def test_accumulating_gradient_shards_are_fp32(runs):
     """Accumulating micro-batches in a 16-bit shard would round every addition: with
     gradient_accumulation_steps > 1 the stage-2 gradient shard is fp32 (4Ψ/N bytes)."""
-    grads, params = run_ranks(_accumulating, 2)[0]
+    grads, params = runs.result(2, "accumulating")[0]
     assert grads == model_state_bytes(2, 2, params // 2, "bf16", fp32_grad_shard=True)["grads"]
 
 
@@ -186,12 +202,12 @@ def _fp32_sums(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fp32_sums_give_bitwise_the_same_weights_at_stages_1_2_3(world_size):
+def test_fp32_sums_give_bitwise_the_same_weights_at_stages_1_2_3(runs, world_size):
     """bf16 with reduce_dtype "fp32": every stage hands AdamW the unrounded fp32 sum of the
     ranks' bf16 gradients (stage 1 reduce-scatters into an fp32 gradient shard, as stages 2 and
     3 do), so the fp32 master weights, and the bf16 parameters cast from them, are bitwise
     equal across stages. Stage 1 pays 4 bytes per element of its shard for it."""
-    results = run_ranks(_fp32_sums, world_size)
+    results = runs.result(world_size, "fp32_sums")
     for rank, by_stage in enumerate(results):
         master1, params1, _ = by_stage[1]
         for stage in (2, 3):
@@ -219,13 +235,13 @@ def _state_dicts(rank, world_size, bf16):
     return results
 
 
-def test_full_state_dict_in_fp32_is_the_master_weights():
+def test_full_state_dict_in_fp32_is_the_master_weights(runs):
     """full_state_dict(dtype=torch.float32) gathers the fp32 master weights under the model's
     names, at every stage: with bf16 the bf16 parameters are exactly their rounding, yet they
     hold more than bf16 does; in fp32 training they are the parameters. Other dtypes are casts
     of them, and the gathers are not training traffic (comm_stats is the last step's)."""
-    bf16 = run_ranks(_state_dicts, 2, True)
-    fp32 = run_ranks(_state_dicts, 2, False)
+    bf16 = runs.result(2, "state_dicts_bf16")
+    fp32 = runs.result(2, "state_dicts_fp32")
     for stage in (0, 1, 2, 3):
         for rank in range(2):
             params, master, half, uncounted = bf16[rank][stage]

@@ -3,16 +3,28 @@
 Gradient clipping needs the global norm. Computing it by casting each gradient shard to double
 first would hold 8 more bytes per element for a moment (at stage 0 a whole copy of the
 gradients, in double): on a GPU, half again the 16 bytes per parameter of model state. The
-step is profiled op by op, so the check holds on any machine and depends on no timing.
+step is profiled op by op, so the check holds on any machine and depends on no timing. The
+cases share one spawned pair of ranks (spawn.SharedRuns), each with its own result and failure.
 """
 
 import pytest
 import torch
 
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import engine_config
 
 DIM = 512
+LAYERS = 4
+CONVERTED = [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")]  # (stage, precision)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {f"conversions_stage{stage}": (_step_conversions, stage) for stage in (0, 2)}
+    cases |= {f"converted_peak_stage{stage}_{precision}": (_converted_peak, stage, precision)
+              for stage, precision in CONVERTED}
+    cases["fp32_peak"] = (_fp32_peak,)
+    return SharedRuns({2: cases})
 
 
 def _config(stage, **options):
@@ -39,10 +51,10 @@ def _step_conversions(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_clipping_converts_no_gradient(stage):
+def test_clipping_converts_no_gradient(runs, stage):
     """fp32 with clipping: the only conversions of a step are of scalars (the norm), none of a
     gradient; and the norm is the one torch computes."""
-    results = run_ranks(_step_conversions, 2, stage)
+    results = runs.result(2, f"conversions_stage{stage}")
     for norm, shapes in results:
         assert shapes, "the profiler saw no conversion at all (the norm's own is expected)"
         assert all(torch.Size(s).numel() <= 1 for s in shapes), shapes
@@ -53,8 +65,6 @@ def test_clipping_converts_no_gradient(stage):
     for norm, _ in results:
         assert norm == pytest.approx(expected, rel=1e-5)
 
-
-LAYERS = 4
 
 
 def _converted_peak(rank, world_size, stage, precision):
@@ -76,13 +86,13 @@ def _converted_peak(rank, world_size, stage, precision):
     return peaks, engine.skipped_steps
 
 
-@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")])
-def test_16_bit_gradients_become_fp32_one_shard_at_a_time(stage, precision):
+@pytest.mark.parametrize("stage,precision", CONVERTED)
+def test_16_bit_gradients_become_fp32_one_shard_at_a_time(runs, stage, precision):
     """The step (with clipping, and fp16's unscale) makes fp32 copies of the 16-bit gradient
     shards one at a time: the most alive at once is one layer's shard, 4 bytes per element,
     not all of them."""
     shard_bytes = DIM * DIM // 2 * 4
-    for peaks, skipped in run_ranks(_converted_peak, 2, stage, precision):
+    for peaks, skipped in runs.result(2, f"converted_peak_stage{stage}_{precision}"):
         assert skipped == 0
         assert peaks == [shard_bytes, shard_bytes], peaks
 
@@ -97,5 +107,5 @@ def _fp32_peak(rank, world_size):
     return engine.memory_stats()["fp32_grads_peak"]
 
 
-def test_fp32_gradients_are_not_copied():
-    assert run_ranks(_fp32_peak, 2) == [0, 0]
+def test_fp32_gradients_are_not_copied(runs):
+    assert runs.result(2, "fp32_peak") == [0, 0]

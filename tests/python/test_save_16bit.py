@@ -5,9 +5,12 @@ torch.load(weights_only=True) and transformers' from_pretrained. DeepSpeed's beh
 without stage3_gather_16bit_weights_on_model_save writes nothing, warns and returns False.
 
 Each case trains StatefulTransformer (a tied head, a frozen parameter, a float and a long
-buffer) for two steps on 2 real processes (Gloo), then saves.
+buffer) for two steps on 2 real processes (Gloo), then saves. The cases share one spawned pair
+of ranks (spawn.SharedRuns), each in a directory of its own under EXPORTS, each with its own
+result and failure.
 """
 
+import importlib.util
 import os
 import warnings
 
@@ -18,11 +21,50 @@ from checkpoint_runs import config as _config
 from checkpoint_runs import train as _train
 from model_state import padded_numel
 from models import make_stateful_model
-from spawn import run_ranks
+from spawn import SharedRuns
 
 FILES = ("model.safetensors", "pytorch_model.bin")
 TIED = "head.weight"  # the second name of embed.weight
 BYTES = {"fp32": 4, "bf16": 2}
+PRECISIONS = ("fp32", "bf16")
+
+
+def _cases(exports):
+    """The shared run's cases, each saving under exports / its name. Set up here: the write
+    error case's previous file."""
+    (exports / "write_error").mkdir()
+    (exports / "write_error" / "model.safetensors").write_bytes(b"previous")
+    cases = {}
+    for stage in (0, 1, 2, 3):
+        for precision in PRECISIONS:
+            # Below stage 3 the flag is not needed (DeepSpeed's too): the parameters are whole.
+            cases[f"full_stage{stage}_{precision}"] = (_save, stage, precision, stage == 3)
+    cases["no_gather_flag"] = (_save, 3, "bf16", False)
+    cases["exclude_frozen"] = (_save, 3, "fp32", True, True)
+    for precision in PRECISIONS:
+        cases[f"unit_peak_{precision}"] = (_export_stats, 3, precision)
+        cases[f"stage2_peak_{precision}"] = (_export_stats, 2, precision)
+    cases["write_error"] = (_fail_mid_write_then_save, 4096)
+    cases["save_dir_created"] = (_save, 1, "fp32")
+    if importlib.util.find_spec("transformers") is not None:  # else the from_pretrained cases skip
+        for precision in PRECISIONS:
+            cases[f"gpt2_{precision}"] = (_train_gpt2, precision)
+    # Each case's directory is its first argument after the function: exports / name.
+    return {2: {name: (fn, str(_out(exports, name)), *args) for name, (fn, *args) in cases.items()}}
+
+
+def _out(exports, name):
+    return exports / name / "a" / "b" if name == "save_dir_created" else exports / name
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    return tmp_path_factory.mktemp("exports")
+
+
+@pytest.fixture(scope="module")
+def runs(exports):
+    return SharedRuns(_cases(exports))
 
 
 def _engine(rank, world_size, stage, precision, gather):
@@ -37,7 +79,7 @@ def _engine(rank, world_size, stage, precision, gather):
     return model, engine
 
 
-def _save(rank, world_size, stage, precision, out, gather=True, exclude_frozen=False):
+def _save(rank, world_size, out, stage, precision, gather=True, exclude_frozen=False):
     """Saves both formats; returns what each call returned, the warnings it gave (message and
     the file they are attributed to) and, on rank 0, the engine's full state dict."""
     _, engine = _engine(rank, world_size, stage, precision, gather)
@@ -56,15 +98,15 @@ def _assert_same(loaded, expected):
         assert torch.equal(loaded[name], tensor), name
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_file_holds_the_full_state_dict_bitwise_at_every_stage(tmp_path, stage, precision):
+def test_the_file_holds_the_full_state_dict_bitwise_at_every_stage(runs, exports, stage, precision):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    out = tmp_path / "export"
-    # Below stage 3 the flag is not needed (DeepSpeed's too): the parameters are whole.
-    results = run_ranks(_save, 2, stage, precision, str(out), stage == 3)
+    name = f"full_stage{stage}_{precision}"
+    out = _out(exports, name)
+    results = runs.result(2, name)
     for saved, caught, _ in results:
         assert saved == [True, True] and caught == []
     state = results[0][2]
@@ -88,9 +130,9 @@ def test_the_file_holds_the_full_state_dict_bitwise_at_every_stage(tmp_path, sta
     assert {k: (v.dtype, v.shape) for k, v in meta.items()} == {k: (v.dtype, v.shape) for k, v in state.items()}
 
 
-def test_stage_3_without_the_gather_flag_writes_nothing_warns_and_returns_false(tmp_path):
-    out = tmp_path / "export"
-    results = run_ranks(_save, 2, 3, "bf16", str(out), False)
+def test_stage_3_without_the_gather_flag_writes_nothing_warns_and_returns_false(runs, exports):
+    out = _out(exports, "no_gather_flag")
+    results = runs.result(2, "no_gather_flag")
     for saved, caught, _ in results:
         assert saved == [False, False]
         assert len(caught) == 2
@@ -100,11 +142,11 @@ def test_stage_3_without_the_gather_flag_writes_nothing_warns_and_returns_false(
     assert not out.exists()
 
 
-def test_exclude_frozen_parameters_leaves_out_only_the_frozen_ones(tmp_path):
+def test_exclude_frozen_parameters_leaves_out_only_the_frozen_ones(runs, exports):
     from safetensors.torch import load_file
 
-    out = tmp_path / "export"
-    results = run_ranks(_save, 2, 3, "fp32", str(out), True, True)
+    out = _out(exports, "exclude_frozen")
+    results = runs.result(2, "exclude_frozen")
     state = results[0][2]
     del state["frozen"]
     _assert_same(torch.load(out / "pytorch_model.bin", weights_only=True), state)
@@ -112,7 +154,7 @@ def test_exclude_frozen_parameters_leaves_out_only_the_frozen_ones(tmp_path):
     _assert_same(load_file(out / "model.safetensors"), state)
 
 
-def _export_stats(rank, world_size, stage, precision, out):
+def _export_stats(rank, world_size, out, stage, precision):
     from zeroshard import _C
 
     _, engine = _engine(rank, world_size, stage, precision, True)
@@ -121,19 +163,19 @@ def _export_stats(rank, world_size, stage, precision, out):
     return stats, units
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_stage_3_gathers_one_unit_at_a_time(tmp_path, precision):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stage_3_gathers_one_unit_at_a_time(runs, exports, precision):
     """The export's peak of gathered parameters is the largest unit's, on every rank, where
     gathering the model (gathered_parameters()) would hold all of them at once."""
-    out = tmp_path / "export"
-    results = run_ranks(_export_stats, 2, 3, precision, str(out))
+    out = _out(exports, f"unit_peak_{precision}")
+    results = runs.result(2, f"unit_peak_{precision}")
     for rank, (stats, units) in enumerate(results):
         assert len(units) == 3  # blocks.0, blocks.1 and the root (embedding, tied head, norm, ...)
         assert stats["saved"]
         assert stats["gathered_peak"] == BYTES[precision] * max(units)
         assert stats["gathered_peak"] < BYTES[precision] * sum(units)
         assert stats["file_bytes"] == (os.path.getsize(out / "model.safetensors") if rank == 0 else 0)
-    below = run_ranks(_export_stats, 2, 2, precision, str(tmp_path / "stage2"))
+    below = runs.result(2, f"stage2_peak_{precision}")
     assert [stats["gathered_peak"] for stats, _ in below] == [0, 0]  # whole already: nothing gathered
 
 
@@ -146,7 +188,7 @@ def _fail_mid_write_then_save(rank, world_size, out, limit):
     if rank == 0:
         # Writes past `limit` bytes fail with EFBIG (the signal it would also raise is ignored):
         # the header and the first tensors go out, then the write fails with units still to gather.
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
     try:
         engine.save_16bit_model(out)
@@ -155,6 +197,8 @@ def _fail_mid_write_then_save(rank, world_size, out, limit):
         error = str(e)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        if rank == 0:  # the next cases of the shared run write files as usual
+            signal.signal(signal.SIGXFSZ, handler)
     left = sorted(os.listdir(out)) if rank == 0 else None
     previous = open(os.path.join(out, "model.safetensors"), "rb").read() if rank == 0 else None
     # Every unit was released: the engine trains on and the next save is complete.
@@ -163,13 +207,11 @@ def _fail_mid_write_then_save(rank, world_size, out, limit):
     return error, left, previous, engine.full_state_dict(rank0_only=True)
 
 
-def test_a_write_error_on_rank_0_fails_every_rank_and_leaves_the_previous_file(tmp_path):
+def test_a_write_error_on_rank_0_fails_every_rank_and_leaves_the_previous_file(runs, exports):
     from safetensors.torch import load_file
 
-    out = tmp_path / "export"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"previous")
-    results = run_ranks(_fail_mid_write_then_save, 2, str(out), 4096)
+    out = _out(exports, "write_error")  # holding a file "previous" before the run (_cases)
+    results = runs.result(2, "write_error")
     (error0, left, previous, state), (error1, _, _, _) = results
     assert error0 is not None and "File too large" in error0 and str(out / "model.safetensors") in error0
     assert error1 is not None and "failed on rank(s) 0" in error1 and "no file was written" in error1
@@ -177,9 +219,9 @@ def test_a_write_error_on_rank_0_fails_every_rank_and_leaves_the_previous_file(t
     _assert_same(load_file(out / "model.safetensors"), {k: v for k, v in state.items() if k != TIED})
 
 
-def test_save_dir_is_created(tmp_path):
-    out = tmp_path / "a" / "b"
-    results = run_ranks(_save, 2, 1, "fp32", str(out))
+def test_save_dir_is_created(runs, exports):
+    out = _out(exports, "save_dir_created")
+    results = runs.result(2, "save_dir_created")
     assert results[0][0] == [True, True]
     assert sorted(os.listdir(out)) == sorted(FILES)
 
@@ -187,7 +229,7 @@ def test_save_dir_is_created(tmp_path):
 GPT2_SIZES = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
 
 
-def _train_gpt2(rank, world_size, precision, out):
+def _train_gpt2(rank, world_size, out, precision):
     import transformers
 
     import zeroshard
@@ -210,12 +252,12 @@ def _train_gpt2(rank, world_size, precision, out):
     return engine.full_state_dict(rank0_only=True)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_transformers_from_pretrained_loads_the_stage_3_export(tmp_path, precision, monkeypatch):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_transformers_from_pretrained_loads_the_stage_3_export(runs, exports, precision, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = tmp_path / "gpt2"
-    state = run_ranks(_train_gpt2, 2, precision, str(out), timeout=180)[0]
+    out = _out(exports, f"gpt2_{precision}")
+    state = runs.result(2, f"gpt2_{precision}")[0]
     assert "lm_head.weight" in state and torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     # This process never built an engine: the directory alone is the model.

@@ -3,7 +3,8 @@
 Each case trains a variant of the tiny transformer with zeroshard at stage 3 and compares the
 losses and final parameters with single-process torch.optim.AdamW on the same global batch
 (fp32 rounding: rtol 1e-4, atol 1e-5), then checks what stage 3 promises about memory and
-traffic with the engine's own accounting.
+traffic with the engine's own accounting. The cases share one spawned run per world size
+(spawn.SharedRuns), each with its own result and failure.
 """
 
 import pytest
@@ -13,10 +14,11 @@ import torch.nn as nn
 from conftest import WORLD_SIZES
 from model_state import model_state_bytes, padded_numel, stage3_unit_numels
 from models import Block, TinyTransformer, global_batch
-from spawn import run_ranks
+from spawn import SharedRuns
 from training import MICRO, AdamWReference, engine_config, train_global_batches
 
 STEPS = 3
+UNITS_THRESHOLD = 40  # stage3_param_persistence_threshold of test_stage3_units_lists_...
 
 
 class SkipBlock(Block):
@@ -106,8 +108,36 @@ def _reference(world_size, variant, gas, eval_forward):
     return losses, evals or [], model.state_dict()
 
 
-def _check_against_reference(world_size, variant, config, gas=1, eval_forward=False):
-    results = run_ranks(_train, world_size, variant, config, eval_forward)
+def _trained(world_size):
+    """The training cases at world_size: name -> (variant, config, gas, eval_forward)."""
+    cases = {f"tied_{how}": ({"tie": True}, _config(reshard=how == "reshard"), 1, False)
+             for how in ("reshard", "keep_after_forward")}
+    if world_size > 1:
+        cases["memory"] = ({}, _config(), 1, False)
+    if world_size == 2:
+        cases["accumulation"] = ({"tie": True}, _config(gas=2), 2, False)
+        cases |= {variant: ({variant: True}, _config(), 1, False) for variant in ("twice", "frozen", "skip")}
+        cases["eval_forward"] = ({}, _config(), 1, True)
+        *blocks, root = stage3_unit_numels(Variant(), world_size)
+        cases["max_live"] = ({}, _config(stage3_max_live_parameters=root + max(blocks)), 1, False)
+        cases["max_live_zero"] = ({}, _config(stage3_max_live_parameters=0), 1, False)
+        cases["no_prefetch"] = ({}, _config(stage3_prefetch_bucket_size=0), 1, False)
+        cases["prefetch_size_1"] = ({}, _config(stage3_prefetch_bucket_size=1), 1, False)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {ws: {name: (_train, variant, config, eval_forward)
+                  for name, (variant, config, _, eval_forward) in _trained(ws).items()} for ws in WORLD_SIZES}
+    cases[2]["units"] = (_units, UNITS_THRESHOLD)
+    cases[2]["order_mismatch"] = (_order_mismatch,)  # last: its engines stop in the middle of a backward
+    return SharedRuns(cases)
+
+
+def _check_against_reference(runs, world_size, name):
+    variant, _, gas, eval_forward = _trained(world_size)[name]
+    results = runs.result(world_size, name)
     ref_losses, ref_evals, ref_state = _reference(world_size, variant, gas, eval_forward)
     losses, evals, state, _, _ = results[0]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -120,32 +150,32 @@ def _check_against_reference(world_size, variant, config, gas=1, eval_forward=Fa
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep_after_forward"])
-def test_tied_weights_match_single_process_adamw(world_size, reshard):
-    _check_against_reference(world_size, {"tie": True}, _config(reshard=reshard))
+@pytest.mark.parametrize("reshard", ["reshard", "keep_after_forward"])
+def test_tied_weights_match_single_process_adamw(runs, world_size, reshard):
+    _check_against_reference(runs, world_size, f"tied_{reshard}")
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_accumulation_matches(world_size):
-    _check_against_reference(world_size, {"tie": True}, _config(gas=2), gas=2)
+def test_accumulation_matches(runs, world_size):
+    _check_against_reference(runs, world_size, "accumulation")
 
 
 @pytest.mark.parametrize("variant", ["twice", "frozen", "skip"])
-def test_special_cases_match(variant):
-    _check_against_reference(2, {variant: True}, _config())
+def test_special_cases_match(runs, variant):
+    _check_against_reference(runs, 2, variant)
 
 
-def test_eval_forward_under_no_grad_between_steps():
-    _check_against_reference(2, {}, _config(), eval_forward=True)
+def test_eval_forward_under_no_grad_between_steps(runs):
+    _check_against_reference(runs, 2, "eval_forward")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_memory_and_traffic_follow_stage3_formulas(world_size):
+def test_memory_and_traffic_follow_stage3_formulas(runs, world_size):
     """Between steps each rank holds 16Ψ/N bytes, padding included (fp32 shards of params and
     grads, exp_avg and exp_avg_sq: a unit of one param group is one optimizer slot over its
     whole shard, as a stage-2 bucket is); a step moves two all-gathers and one reduce-scatter per
     block unit and one of each for the root unit; at most two blocks are gathered at once."""
-    results = run_ranks(_train, world_size, {}, _config(), False)
+    results = runs.result(world_size, "memory")
     padded = stage3_unit_numels(Variant(), world_size)  # the blocks, then the root
     blocks = len(padded) - 1
     total_padded = sum(padded)
@@ -182,35 +212,32 @@ def _order_mismatch(rank, world_size):
     return None
 
 
-def test_ranks_running_units_in_different_orders_get_a_clear_error():
-    messages = run_ranks(_order_mismatch, 2)
+def test_ranks_running_units_in_different_orders_get_a_clear_error(runs):
+    messages = runs.result(2, "order_mismatch")
     for message in messages:
         assert message is not None and "every rank must run the units in the same order" in message
         assert "blocks.0" in message or "blocks.1" in message
 
 
 @pytest.mark.parametrize("limit", ["max_live", "max_live_zero", "no_prefetch"])
-def test_live_and_prefetch_limits_bound_gathered_memory(limit):
+def test_live_and_prefetch_limits_bound_gathered_memory(runs, limit):
     """stage3_max_live_parameters (here: the root plus one block, or 0: DeepSpeed's "nothing
     prefetched past the unit in use") and stage3_prefetch_bucket_size = 0 each stop the
     prefetch, so at most one block is gathered beside the root; the numbers do not change."""
     world_size = 2
     *blocks, root = stage3_unit_numels(Variant(), world_size)
-    zero = {"max_live": {"stage3_max_live_parameters": root + max(blocks)},
-            "max_live_zero": {"stage3_max_live_parameters": 0},
-            "no_prefetch": {"stage3_prefetch_bucket_size": 0}}[limit]
-    results = _check_against_reference(world_size, {}, _config(**zero))
+    results = _check_against_reference(runs, world_size, limit)  # the limits: _trained()
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] == 4 * (root + max(blocks))
 
 
-def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched():
+def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched(runs):
     """As DeepSpeed always fetches the head of its prefetch queue: a prefetch size of one
     element still gathers the next block while the current one computes (only 0 turns it
     off), so two blocks are gathered beside the root at the peak."""
     world_size = 2
     *blocks, root = stage3_unit_numels(Variant(), world_size)
-    results = _check_against_reference(world_size, {}, _config(stage3_prefetch_bucket_size=1))
+    results = _check_against_reference(runs, world_size, "prefetch_size_1")
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] > 4 * (root + max(blocks))
 
@@ -224,14 +251,14 @@ def _units(rank, world_size, threshold):
     return engine.stage3_units(), below.stage3_units(), engine.memory_stats()
 
 
-def test_stage3_units_lists_each_unit_with_its_persistent_parameters():
+def test_stage3_units_lists_each_unit_with_its_persistent_parameters(runs):
     """engine.stage3_units(): the blocks in order, then the root (everything else, the tied
     head/embedding included), each with the elements it gathers and releases and the parameters
     of at most stage3_param_persistence_threshold elements that stay gathered instead; the
     persistent ones cost a full copy on every rank (params at 2 ranks: the shards of the
     released units plus the whole persistent unit)."""
-    threshold = 40
-    units, below, mem = run_ranks(_units, 2, threshold)[0]
+    threshold = UNITS_THRESHOLD
+    units, below, mem = runs.result(2, "units")[0]
     model = Variant(tie=True)
     expected = []
     for name, module in [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)] + [("<root>", None)]:

@@ -80,3 +80,33 @@ def bytes_per_param(stage, world_size, precision="fp32", persistent=None):
     if persistent is not None:
         text += f", + {per_element['params']} for {persistent:,} kept"
     return text
+
+
+def offloaded_state_bytes(stage, world_size, elements, precision="fp32", optimizer=True, params=False,
+                          fp32_grad_shard=False):
+    """memory_stats()'s bytes by place with ZeRO-Offload: {"host_params", "host_grads",
+    "host_optimizer", "device_params", "device_grads", "device_optimizer"} for `elements`
+    (padded, as model_state_bytes) at `stage` (1-3) over world_size ranks.
+
+    optimizer (offload_optimizer "cpu"): the fp32 master shard, exp_avg and exp_avg_sq go to the
+    host (12 bytes per element of the shard; the master is a copy of its own even in fp32,
+    except where the fp32 parameter shard is in host memory too and is the master), and so does
+    an fp32 copy of the gradient shard the host step reads (4 bytes); the device keeps its
+    gradients as without offload. params (offload_param "cpu", stage 3): the parameter shards
+    go to the host; alone, an fp32 run keeps a device copy of its master shard (4 bytes)."""
+    assert stage >= 1 and (not params or stage == 3)
+    base = model_state_bytes(stage, world_size, elements, precision, fp32_grad_shard=fp32_grad_shard)
+    shard = elements // world_size
+    host = {"params": 0, "grads": 0, "optimizer": 0}
+    device = dict(base)
+    if params:
+        host["params"] = ELEMENT_BYTES[precision]["params"] * shard
+        device["params"] -= host["params"]
+    master_is_param_shard = precision == "fp32" and params
+    if optimizer:
+        host["grads"] = 4 * shard
+        host["optimizer"] = (8 if master_is_param_shard else 12) * shard
+        device["optimizer"] = 0
+    elif master_is_param_shard:
+        device["optimizer"] += 4 * shard
+    return {**{f"host_{k}": v for k, v in host.items()}, **{f"device_{k}": v for k, v in device.items()}}

@@ -220,7 +220,11 @@ void bindEngine(py::module_& m) {
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
                              "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
                              "gathered_peak"_a = s.gatheredPeakBytes, "staging_peak"_a = s.stagingPeakBytes,
-                             "fp32_grads_peak"_a = s.fp32GradsPeakBytes);
+                             "fp32_grads_peak"_a = s.fp32GradsPeakBytes, "host_params"_a = s.hostParamBytes,
+                             "host_grads"_a = s.hostGradBytes, "host_optimizer"_a = s.hostOptimizerBytes,
+                             "host_total"_a = s.hostTotalBytes(), "device_params"_a = s.deviceParamBytes(),
+                             "device_grads"_a = s.deviceGradBytes(), "device_optimizer"_a = s.deviceOptimizerBytes(),
+                             "device_total"_a = s.deviceTotalBytes());
            })
       .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
       .def("named_parameters", &Engine::namedParameters)

@@ -120,12 +120,18 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   if (plan_.paramsSharded()) {
     auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
                                                  config_.zero.stage3PrefetchBucketSize,
-                                                 config_.zero.stage3MaxLiveParameters);
+                                                 config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
+                                                 plan_.pinParams());
     units_ = units.get();
     params_ = std::move(units);
   } else {
     params_ = std::make_unique<ReplicatedParams>(buckets_, comm_, plan_.optimizerSharded(),
                                                  config_.zero.allgatherBucketSize);
+  }
+  // Offload (docs/offload.md): the masters move once the parameter storage holds its shards.
+  if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) {
+    masters_->offload(buckets_, plan_.optimizerOnHostByBucket(buckets_.size()), plan_.paramsOnHost(),
+                      plan_.pinOptimizer());
   }
   // Before the gradient hooks: pointing a parameter at a scratch tensor of another dtype resets
   // its gradient accumulator.
@@ -200,6 +206,7 @@ bool Engine::step() {
 }
 
 bool Engine::takeStep() {
+  grads_->finishCopies();
   optimizer_.prepareGrads();
   if (scaler_) {
     const bool overflow = overflowed();
@@ -213,12 +220,33 @@ bool Engine::takeStep() {
     }
   }
   clipGradients();
-  optimizer_.step();
-  masters_->pushToParams(buckets_);
-  params_->afterStep();
+  if (plan_.anyOptimizerOnHost(buckets_.size())) {
+    stepBucketByBucket();
+  } else {
+    optimizer_.step();
+    masters_->pushToParams(buckets_);
+    params_->afterStep();
+  }
   if (schedule_) applySchedule(schedule_->step());
   finishStep();
   return true;
+}
+
+// Offload: bucket by bucket, the AdamW step (on the host for offloaded buckets), the copy of the
+// updated shard into the parameters (asynchronous from pinned memory on a GPU), and the start of
+// the bucket's all-gather (stages 1-2; at stage 3 the shard is the parameter storage), so each
+// bucket's copy and gather overlap the next one's step. The values are step()'s.
+void Engine::stepBucketByBucket() {
+  optimizer_.beginStep();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::vector<ShardedAdamW::ShardRef> shards;
+    for (const auto& slot : slots_[b]) shards.push_back({slot.group, slot.index});
+    optimizer_.stepShards(shards);
+    masters_->pushToParams(buckets_[b], b);
+    params_->afterStepOf(b);
+  }
+  optimizer_.endStep();
+  params_->finishAfterStep();
 }
 
 bool Engine::overflowed() {
@@ -266,6 +294,16 @@ MemoryStats Engine::memoryStats() const {
   // fp32 training: the master weights are the parameters' own storage, not a copy.
   stats.optimizerBytes = optimizer_.stateBytes();
   stats.optimizerBytes += masters_->separateBytes();
+  stats.hostParamBytes = params_->hostBytes();
+  stats.hostGradBytes = grads_->hostBytes();
+  stats.hostOptimizerBytes = masters_->hostBytes();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!plan_.optimizerOnHost(b, buckets_.size())) continue;
+    for (const auto& slot : slots_[b]) {
+      const auto state = optimizer_.shardState(slot.group, slot.index);
+      stats.hostOptimizerBytes += static_cast<int64_t>(state.expAvg.nbytes() + state.expAvgSq.nbytes());
+    }
+  }
   return stats;
 }
 

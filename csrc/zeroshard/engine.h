@@ -49,11 +49,22 @@ class GradStorage;
 
 // Bytes of model state this rank holds (padding included): compute-dtype parameters,
 // gradients (full or sharded, by stage) and optimizer state (exp_avg, exp_avg_sq, and the fp32
-// master weights where they are a separate copy).
+// master weights where they are a separate copy). paramBytes, gradBytes and optimizerBytes
+// count every place together; the host* fields count what of them is in host memory
+// (offload: parameter shards, the fp32 gradient shards the host step reads, the optimizer
+// state), the device* ones the rest.
 struct MemoryStats {
   int64_t paramBytes = 0;
   int64_t gradBytes = 0;
   int64_t optimizerBytes = 0;
+  int64_t hostParamBytes = 0;
+  int64_t hostGradBytes = 0;
+  int64_t hostOptimizerBytes = 0;
+  int64_t hostTotalBytes() const { return hostParamBytes + hostGradBytes + hostOptimizerBytes; }
+  int64_t deviceParamBytes() const { return paramBytes - hostParamBytes; }
+  int64_t deviceGradBytes() const { return gradBytes - hostGradBytes; }
+  int64_t deviceOptimizerBytes() const { return optimizerBytes - hostOptimizerBytes; }
+  int64_t deviceTotalBytes() const { return totalBytes() - hostTotalBytes(); }
   // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
   // step (not part of the total, which counts what is held between steps).
   int64_t gatheredPeakBytes = 0;
@@ -250,6 +261,7 @@ class Engine {
   void registerShards();
   void initFromMeta(const MetaInit& init);  // engine_init.cpp
   bool takeStep();  // the optimizer step at a boundary; false when fp16 skipped it
+  void stepBucketByBucket();  // offload: each bucket's update copied back and gathered as it is done
   void clipGradients();
   bool overflowed();
   void finishStep();

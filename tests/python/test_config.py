@@ -58,13 +58,13 @@ def test_ignored_deepspeed_keys_are_listed_as_warnings():
             {
                 "train_micro_batch_size_per_gpu": 4,
                 "flops_profiler": {"enabled": False},
-                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                "zero_optimization": {"stage": 2, "sub_group_size": 1e9},
             }
         )
     assert [str(w.message) for w in record] == cfg.warnings
     assert len(cfg.warnings) == 2
     assert cfg.warnings[0].startswith('"flops_profiler" is a DeepSpeed key')
-    assert '"zero_optimization.offload_optimizer"' in cfg.warnings[1]
+    assert '"zero_optimization.sub_group_size"' in cfg.warnings[1]
 
 
 def test_batch_sizes_follow_deepspeed_rules():
@@ -169,14 +169,19 @@ KEY_EFFECTS = {
     "zero_optimization.allgather_partitions": ("warns", False),
     "zero_optimization.offload_optimizer": ("section", None, None),
     "zero_optimization.offload_param": ("section", None, None),
+    # "cpu" at the default stage 0 warns (nothing to offload there); test_offload.py trains with it.
     "zero_optimization.offload_optimizer.device": ("warns", "cpu"),
     "zero_optimization.offload_param.device": ("warns", "cpu"),
+    "zero_optimization.offload_optimizer.pin_memory": ("field", r"offloadOptimizer\.pinMemory", False),
+    "zero_optimization.offload_optimizer.ratio": ("field", r"offloadOptimizer\.ratio", 0.5),
+    "zero_optimization.offload_param.pin_memory": ("field", r"offloadParam\.pinMemory", False),
 }
 
 # The keys marked "inert" and the key beside them that switches their feature on.
 INERT_SWITCHES = {
-    "zero_optimization.offload_optimizer": ("device", "cpu"),
-    "zero_optimization.offload_param": ("device", "cpu"),
+    # The NVMe knobs: "cpu" switches them off as "none" does; "nvme" is refused.
+    "zero_optimization.offload_optimizer": ("device", "nvme"),
+    "zero_optimization.offload_param": ("device", "nvme"),
     "tensor_parallel": ("autotp_size", 2),
     "tensor_parallel.tp": ("tp_size", 2),
 }

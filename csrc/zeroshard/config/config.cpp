@@ -164,6 +164,11 @@ std::string Config::toJsonString() const {
       {"stage3_param_persistence_threshold", zero.stage3ParamPersistenceThreshold},
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
   j["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = zero.gather16bitWeightsOnModelSave;
+  j["zero_optimization"]["offload_optimizer"] = {{"device", zero.offloadOptimizer.toHost ? "cpu" : "none"},
+                                                 {"pin_memory", zero.offloadOptimizer.pinMemory},
+                                                 {"ratio", zero.offloadOptimizer.ratio}};
+  j["zero_optimization"]["offload_param"] = {{"device", zero.offloadParam.toHost ? "cpu" : "none"},
+                                             {"pin_memory", zero.offloadParam.pinMemory}};
   if (scheduler.enabled()) {
     Json params = Json::object();
     for (const auto& [key, value] : scheduler.params) {

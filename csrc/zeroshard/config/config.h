@@ -58,6 +58,16 @@ struct OptimizerConfig {
   double weightDecay = 0.01;
 };
 
+// "zero_optimization.offload_optimizer" / "offload_param" (ZeRO-Offload): "none" (DeepSpeed's
+// default) keeps the state on the compute device, "cpu" in host memory (optim/offload.h).
+struct OffloadConfig {
+  bool toHost = false;    // device "cpu"
+  bool pinMemory = true;  // page-locked host memory (DeepSpeed's default); only with a GPU
+  // offload_optimizer only: the share of the optimizer state in host memory, by bucket: of n
+  // buckets, those from int((1 - ratio) * n) on, as DeepSpeed splits its sub-groups; 1 = all.
+  double ratio = 1.0;
+};
+
 // "zero_optimization". Sizes count elements, not bytes, as in DeepSpeed.
 struct ZeroConfig {
   int64_t stage = 0;
@@ -76,6 +86,10 @@ struct ZeroConfig {
   // and writes it; without it stage 3 writes nothing and warns, as DeepSpeed does. Stages 0-2
   // always write.
   bool gather16bitWeightsOnModelSave = false;
+  // Stages 1-3: fp32 master weights, exp_avg and exp_avg_sq (and a fp32 gradient shard) in host
+  // memory, stepped there. Stage 3: the parameter shards in host memory too.
+  OffloadConfig offloadOptimizer;
+  OffloadConfig offloadParam;
 
   // DeepSpeed's default: overlap at stage 3, not below.
   bool overlapCommResolved() const;

@@ -52,17 +52,15 @@ const std::vector<ConfigSection>& allSections() {
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply"}},
-      // Read only for "device": the other keys tune an offload that "none" switches off, and
-      // "cpu" / "nvme" warn for the whole section (offload is not implemented yet).
+      // The inert keys tune NVMe offload (ZeRO-Infinity), which "cpu" and "none" switch off.
       {"zero_optimization.offload_optimizer",
-       {"device"},
+       {"device", "pin_memory", "ratio"},
        {},
-       {"nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "fast_init",
-        "ratio", "pipeline"}},
+       {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "pipeline"}},
       {"zero_optimization.offload_param",
-       {"device"},
+       {"device", "pin_memory"},
        {},
-       {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}},
+       {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}},
       {"scheduler", {"type", "params"}, {}},
       // DeepSpeed's AutoTP: a size above 1 is an error; at 0 or 1 the other keys tune nothing.
       {"tensor_parallel",

@@ -245,8 +245,11 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
     }
     readBool(o, path, name, zero.gather16bitWeightsOnModelSave);
   }
-  for (const char* key : {"offload_optimizer", "offload_param"}) {
-    if (const Json* offload = object(o, path, key)) readOffload(*offload, join(path, key));
+  if (const Json* offload = object(o, path, "offload_optimizer")) {
+    readOffload(*offload, join(path, "offload_optimizer"), zero.offloadOptimizer);
+  }
+  if (const Json* offload = object(o, path, "offload_param")) {
+    readOffload(*offload, join(path, "offload_param"), zero.offloadParam);
   }
 }
 

@@ -122,20 +122,34 @@ void ConfigReader::readSchedulerParam(const Json& value, const std::string& path
   }
 }
 
-// offload_optimizer / offload_param: device "none" (DeepSpeed's default) is what zeroshard
-// does; "cpu" and "nvme" are not implemented yet and warn.
-void ConfigReader::readOffload(const Json& o, const std::string& path) {
+// offload_optimizer / offload_param (ZeRO-Offload): device "none" (DeepSpeed's default) is off,
+// "cpu" puts the state in host memory; "nvme" (ZeRO-Infinity) is an error. The NVMe knobs
+// (nvme_path, buffer_count, ...) are inert: "cpu" switches them off, in DeepSpeed as here.
+void ConfigReader::readOffload(const Json& o, const std::string& path, OffloadConfig& offload) {
   checkKeys(o, path, configSection(path));
+  const bool optimizer = path.size() >= 17 && path.compare(path.size() - 17, 17, "offload_optimizer") == 0;
+  readBool(o, path, "pin_memory", offload.pinMemory);
+  if (optimizer) {
+    readNumber(o, path, "ratio", NumberRange{0, true, 1, true, "between 0 and 1"}, offload.ratio);
+  }
   const Json* device = member(o, "device");
   if (device == nullptr || device->is_null() || takeAuto(*device, join(path, "device"))) return;
   if (!device->is_string() || (*device != "none" && *device != "cpu" && *device != "nvme")) {
     fail(join(path, "device") + ": must be \"none\", \"cpu\" or \"nvme\", got " + describe(*device));
   }
-  if (*device != "none") {
-    config_.warnings.push_back("\"" + path + "\" is a DeepSpeed key zeroshard does not implement yet; it is "
-                               "ignored: \"" + join(path, "device") + "\": \"" + device->get<std::string>() +
-                               "\" asks for offload, "
-                               "and every state stays on the device");
+  if (*device == "nvme") {
+    fail(join(path, "device") + ": \"nvme\" (ZeRO-Infinity) is not supported by zeroshard; use \"cpu\" to keep " +
+         (optimizer ? "the optimizer state" : "the parameters") + " in host memory, or \"none\"");
+  }
+  offload.toHost = *device == "cpu";
+  const int64_t stage = config_.zero.stage;
+  const int64_t needed = optimizer ? 1 : 3;
+  if (offload.toHost && stage < needed) {
+    config_.warnings.push_back("\"" + join(path, "device") + "\": \"cpu\" is ignored at zero_optimization.stage " +
+                               std::to_string(stage) + "; " + (optimizer ? "the optimizer state" : "the parameters") +
+                               " go to host memory at stage " + (optimizer ? "1, 2 or 3" : "3") +
+                               " only, as in DeepSpeed");
+    offload.toHost = false;
   }
 }
 

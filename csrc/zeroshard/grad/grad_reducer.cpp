@@ -87,7 +87,7 @@ void GradReducer::beginBackward(bool boundary) {
     std::fill(ready_[b].begin(), ready_[b].end(), 0);
     readyCount_[b] = 0;
     launched_[b] = 0;
-    grads_.beginBackward(buckets_[b], b);
+    grads_.beginBackward(buckets_[b], b, boundary);
   }
 }
 

@@ -1,5 +1,7 @@
 #include "zeroshard/grad/grad_storage.h"
 
+#include "zeroshard/grad/host_grads.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -38,7 +40,7 @@ class FullGradStorage final : public GradStorage {
     return shardedOptimizer_ ? slice_[index] : flat_[index];
   }
 
-  void beginBackward(const Bucket& bucket, size_t index) override { attachViews(bucket, index); }
+  void beginBackward(const Bucket& bucket, size_t index, bool /*boundary*/) override { attachViews(bucket, index); }
 
   StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& /*ready*/,
                           Communicator& comm, const ReductionOptions& options, TransientBytes& transient) override {
@@ -190,12 +192,17 @@ class ShardedGradStorage final : public GradStorage {
 // micro-batches or receives fp32 sums (reduce_dtype "fp32").
 std::unique_ptr<GradStorage> GradStorage::forPlan(const ShardingPlan& plan, const std::vector<Bucket>& buckets,
                                                   int rank, const GradStorageOptions& options) {
+  std::unique_ptr<GradStorage> storage;
   if (plan.gradsSharded()) {
     const bool wide = options.accumulationSteps > 1 || options.reduceInFloat;
-    return std::make_unique<ShardedGradStorage>(buckets, wide ? at::kFloat : options.computeDtype);
+    storage = std::make_unique<ShardedGradStorage>(buckets, wide ? at::kFloat : options.computeDtype);
+  } else {
+    const bool wideShard = plan.optimizerSharded() && options.reduceInFloat && options.computeDtype != at::kFloat;
+    storage = std::make_unique<FullGradStorage>(buckets, rank, plan.optimizerSharded(), wideShard);
   }
-  const bool wideShard = plan.optimizerSharded() && options.reduceInFloat && options.computeDtype != at::kFloat;
-  return std::make_unique<FullGradStorage>(buckets, rank, plan.optimizerSharded(), wideShard);
+  if (!plan.anyOptimizerOnHost(buckets.size())) return storage;
+  return withHostGradShards(std::move(storage), buckets, plan.optimizerOnHostByBucket(buckets.size()),
+                            plan.pinOptimizer());
 }
 
 } // namespace zeroshard

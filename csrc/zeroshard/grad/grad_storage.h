@@ -10,7 +10,9 @@
 //     micro-batches. Each micro-batch's gradients are copied, as each becomes final, into a
 //     full-size staging buffer that exists only until the bucket's reduce-scatter completes.
 //
-// Offload will add a storage whose shard lives in host memory; nothing else changes.
+// offloaded (grad/host_grads.h): either of them, plus an fp32 copy of each offloaded bucket's
+//   gradient shard in host memory, copied there as the reduction that ends the window finishes;
+//   the optimizer steps those buckets on the host from it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -81,8 +83,8 @@ class GradStorage {
   virtual at::Tensor optimizerGrad(size_t index) const = 0;
 
   // A backward starts (full: every parameter's .grad is its view again, after a user set it to
-  // None).
-  virtual void beginBackward(const Bucket& bucket, size_t index) {}
+  // None); `boundary`: it ends the accumulation window.
+  virtual void beginBackward(const Bucket& bucket, size_t index, bool boundary) {}
   // Parameter `param` of the bucket has its final gradient for this backward (sharded: it goes
   // into the staging buffer and .grad is freed).
   virtual void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& transient) {}
@@ -91,8 +93,11 @@ class GradStorage {
                                   Communicator& comm, const ReductionOptions& options, TransientBytes& transient) = 0;
   // After an optimizer step: every gradient is zero, and nothing has been reduced into a shard.
   virtual void zero() = 0;
-  // Bytes of gradients held between steps (not the transient ones).
+  // Bytes of gradients held between steps (not the transient ones), and of those in host memory.
   virtual int64_t bytes() const = 0;
+  virtual int64_t hostBytes() const { return 0; }
+  // Before the optimizer reads optimizerGrad(): every copy into host memory has finished.
+  virtual void finishCopies() {}
 };
 
 } // namespace zeroshard

@@ -1,5 +1,7 @@
 #include "zeroshard/layout/bucket.h"
 
+#include "zeroshard/layout/host_memory.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
@@ -112,6 +114,13 @@ void Bucket::detachShard() {
     const auto range = layout_.shardRange(rank_);
     shard_ = at::zeros({range.numel()}, flatParams_.options());
   }
+}
+
+void Bucket::moveShardToHost(bool pin) {
+  detachShard();
+  if (shardOnHost_) return;
+  shard_ = copyToHost(shard_, pin, flatParams_.device());
+  shardOnHost_ = true;
 }
 
 bool Bucket::allocated() const {

@@ -51,6 +51,11 @@ class Bucket {
   // buffer can be released (the parameters keep their identity and shapes, their storage
   // becomes empty) and materialized again (contents undefined until an all-gather fills it).
   void detachShard();
+  // Offload (stage 3, offload_param): the detached shard moves into host memory (pinned with
+  // `pin` on a GPU); paramShard() is then that host tensor, which an all-gather reads through a
+  // device copy (stage3/unit_scheduler.h).
+  void moveShardToHost(bool pin);
+  bool shardOnHost() const { return shardOnHost_; }
   void releaseFlatParams();
   void materializeFlatParams();
   // Whether the full buffer has storage now; allocateZeroed() gives it zeroed storage.
@@ -71,6 +76,7 @@ class Bucket {
   std::vector<at::Tensor> params_;
   at::Tensor flatParams_;
   at::Tensor shard_;
+  bool shardOnHost_ = false;
   at::Tensor floatValues_;  // fp32, only when the parameters are 16-bit, until taken
 };
 

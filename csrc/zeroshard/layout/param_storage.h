@@ -11,6 +11,7 @@
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/layout/bucket.h"
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -22,13 +23,18 @@ class ParamStorage {
   // End of a backward (stage 3: what is still gathered is released).
   virtual void finishBackward() {}
   // The optimizer step wrote this rank's part of the parameters: make them whole where they are
-  // kept whole. Blocking.
+  // kept whole. Blocking. The same, bucket by bucket: afterStepOf(b) starts bucket b's
+  // gather (offload calls it as each bucket's update is copied back, so the gather overlaps the
+  // next bucket's host step), finishAfterStep() waits for them all.
   virtual void afterStep() = 0;
+  virtual void afterStepOf(size_t bucket) = 0;
+  virtual void finishAfterStep() = 0;
   // Every parameter whole (blocking), and released again (gathered_parameters()).
   virtual void gatherAll() {}
   virtual void reshardAll() {}
-  // Bytes of parameters held between steps.
+  // Bytes of parameters held between steps, and of those in host memory (offload_param).
   virtual int64_t bytes() const = 0;
+  virtual int64_t hostBytes() const { return 0; }
   // The most bytes of gathered parameters alive at once since resetPeak() (stage 3).
   virtual int64_t peakGatheredBytes() const { return 0; }
   virtual void resetPeak() {}
@@ -42,10 +48,13 @@ class ReplicatedParams final : public ParamStorage {
   ReplicatedParams(std::vector<Bucket>& buckets, Communicator& comm, bool shardedOptimizer, int64_t gatherLimit)
       : buckets_(buckets), comm_(comm), shardedOptimizer_(shardedOptimizer), gatherLimit_(gatherLimit) {}
   void afterStep() override;
+  void afterStepOf(size_t bucket) override;
+  void finishAfterStep() override;
   int64_t bytes() const override;
 
  private:
   std::vector<Bucket>& buckets_;
+  std::vector<CommHandle> pending_;
   Communicator& comm_;
   bool shardedOptimizer_;
   int64_t gatherLimit_;

@@ -62,8 +62,10 @@ ShardRange ParamTargets::needed(const ShardRange& range) const {
 
 void ParamTargets::write(const at::Tensor& value, const ShardRange& range) const {
   // In fp32 training the master is the parameters' own storage, so this also writes them.
-  const auto [m, v] = overlap(master, masterRange, value, range);
+  const auto [m, onValueDevice] = overlap(master, masterRange, value, range);
   if (m.defined()) {
+    // Offloaded masters are in host memory, whatever device the value is on.
+    const at::Tensor v = onValueDevice.to(m.device());
     if (v.scalar_type() != at::kFloat) {
       // Note [write-back keeps the master]: a 16-bit value carries no more than its dtype's
       // precision. Where it equals the master's rounding (an element nobody changed, e.g. a

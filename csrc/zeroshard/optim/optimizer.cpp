@@ -59,6 +59,7 @@ void ShardedAdamW::setStepCount(int64_t steps) {
 // those of converting once: at most one shard's fp32 copy exists at a time.
 void ShardedAdamW::prepareGrads() {
   pendingFactors_.clear();
+  factorCopies_.clear();
   liveConvertedBytes_ = 0;
   peakConvertedBytes_ = 0;
   for (auto& g : groups_) {
@@ -70,7 +71,7 @@ void ShardedAdamW::prepareGrads() {
 at::Tensor ShardedAdamW::fp32Grad(const Group& g, size_t i) {
   if (g.prepared[i].defined()) return g.prepared[i];
   auto grad = g.grads[i].to(at::kFloat);
-  for (const auto& factor : pendingFactors_) grad.mul_(factor);
+  for (const auto& factor : pendingFactors_) grad.mul_(factorOn(factor, grad.device()));
   liveConvertedBytes_ += static_cast<int64_t>(grad.nbytes());
   peakConvertedBytes_ = std::max(peakConvertedBytes_, liveConvertedBytes_);
   return grad;
@@ -80,32 +81,56 @@ void ShardedAdamW::dropConverted(const at::Tensor& grad) {
   liveConvertedBytes_ -= static_cast<int64_t>(grad.nbytes());
 }
 
+const at::Tensor& ShardedAdamW::factorOn(const at::Tensor& factor, const c10::Device& device) {
+  if (factor.device() == device) return factor;
+  for (const auto& [original, copy] : factorCopies_) {
+    if (original.is_same(factor) && copy.device() == device) return copy;
+  }
+  return factorCopies_.emplace_back(factor, factor.to(device)).second;
+}
+
 at::Tensor ShardedAdamW::unscaleAndFindNonFinite(double inverseScale, const at::Device& device) {
-  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
-  // One flag for every shard: the kernel only ever sets it to 1.
-  auto found = at::zeros({1}, options);
-  const auto inverse = at::full({}, inverseScale, options);
+  // One flag per device the shards are on (the kernel only ever sets it to 1); the others are
+  // added into the one on `device`.
+  std::vector<std::pair<at::Tensor, at::Tensor>> flags;  // (found, inverse), one per device
+  auto flagOn = [&](const c10::Device& on) -> std::pair<at::Tensor, at::Tensor>& {
+    for (auto& f : flags) {
+      if (f.first.device() == on) return f;
+    }
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(on);
+    return flags.emplace_back(at::zeros({1}, options), at::full({}, inverseScale, options));
+  };
+  flagOn(device);
   for (auto& g : groups_) {
-    std::vector<at::Tensor> inPlace;
     for (size_t i = 0; i < g.prepared.size(); ++i) {
       if (g.prepared[i].defined()) {
-        inPlace.push_back(g.prepared[i]);
-      } else {
-        // Checked (and unscaled) in a copy; later conversions apply the same factor.
-        auto grad = fp32Grad(g, i);
-        at::_amp_foreach_non_finite_check_and_unscale_({grad}, found, inverse);
-        dropConverted(grad);
+        flagOn(g.prepared[i].device());
+        continue;
       }
+      // Checked (and unscaled) in a copy; later conversions apply the same factor.
+      auto grad = fp32Grad(g, i);
+      auto& [found, inverse] = flagOn(grad.device());
+      at::_amp_foreach_non_finite_check_and_unscale_({grad}, found, inverse);
+      dropConverted(grad);
     }
-    if (!inPlace.empty()) at::_amp_foreach_non_finite_check_and_unscale_(inPlace, found, inverse);
+    for (auto& [found, inverse] : flags) {
+      std::vector<at::Tensor> inPlace;
+      for (const auto& grad : g.prepared) {
+        if (grad.defined() && grad.device() == found.device()) inPlace.push_back(grad);
+      }
+      if (!inPlace.empty()) at::_amp_foreach_non_finite_check_and_unscale_(inPlace, found, inverse);
+    }
   }
-  pendingFactors_.push_back(inverse);
+  at::Tensor found = flags.front().first;
+  for (size_t f = 1; f < flags.size(); ++f) found.add_(flags[f].first.to(device));
+  pendingFactors_.push_back(flags.front().second);
   return found;
 }
 
 void ShardedAdamW::discardPrepared() {
   for (auto& g : groups_) g.prepared.clear();
   pendingFactors_.clear();
+  factorCopies_.clear();
 }
 
 at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
@@ -116,7 +141,7 @@ at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
       // first would hold 8 bytes per element for the moment), squared and summed in double.
       const bool converted = !g.prepared[i].defined();
       auto grad = fp32Grad(g, i);
-      sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square());
+      sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square().to(device));
       if (converted) dropConverted(grad);
     }
   }
@@ -126,39 +151,81 @@ at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
 void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
   for (auto& g : groups_) {
     for (auto& grad : g.prepared) {
-      if (grad.defined()) grad.mul_(factor);
+      if (grad.defined()) grad.mul_(factorOn(factor, grad.device()));
     }
   }
   pendingFactors_.push_back(factor);
 }
 
 void ShardedAdamW::step() {
-  ++steps_;
-  for (auto& g : groups_) {
-    if (g.masters.empty()) continue;
-    TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
-    // The fused kernel reads the step it is given; torch.optim increments it first too.
-    for (auto& s : g.steps) s.add_(1);
-    const auto& hp = g.hyper;
-    const bool allFp32 = std::all_of(g.prepared.begin(), g.prepared.end(), [](const at::Tensor& t) { return t.defined(); });
-    if (allFp32) {
-      at::_fused_adamw_(g.masters, g.prepared, g.expAvgs, g.expAvgSqs, /*max_exp_avg_sqs=*/{}, g.steps, hp.lr, hp.beta1,
-                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false);
-    } else {
-      // Note [fp32 gradients one shard at a time]. The kernel treats every tensor of its lists
-      // on its own, so a call per shard computes what one call for the group would.
-      for (size_t i = 0; i < g.masters.size(); ++i) {
-        const bool converted = !g.prepared[i].defined();
-        auto grad = fp32Grad(g, i);
-        at::_fused_adamw_({g.masters[i]}, {grad}, {g.expAvgs[i]}, {g.expAvgSqs[i]}, /*max_exp_avg_sqs=*/{},
-                          {g.steps[i]}, hp.lr, hp.beta1, hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false,
-                          /*maximize=*/false);
-        if (converted) dropConverted(grad);
-      }
-    }
-    g.prepared.clear();
+  beginStep();
+  std::vector<ShardRef> all;
+  for (size_t group = 0; group < groups_.size(); ++group) {
+    for (size_t i = 0; i < groups_[group].masters.size(); ++i) all.push_back({static_cast<int>(group), i});
   }
+  stepShards(all);
+  endStep();
+}
+
+void ShardedAdamW::beginStep() {
+  ++steps_;
+  for (const auto& g : groups_) {
+    TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
+  }
+}
+
+void ShardedAdamW::stepShards(const std::vector<ShardRef>& shards) {
+  for (size_t group = 0; group < groups_.size(); ++group) {
+    auto& g = groups_[group];
+    std::vector<size_t> mine;
+    for (const auto& s : shards) {
+      if (s.group == static_cast<int>(group)) mine.push_back(s.index);
+    }
+    if (mine.empty()) continue;
+    const auto& hp = g.hyper;
+    // The fused kernel reads the step it is given; torch.optim increments it first too.
+    for (size_t i : mine) g.steps[i].add_(1);
+    // fp32 gradients: one call per device over the shards there.
+    std::vector<size_t> wide;
+    for (size_t i : mine) {
+      if (g.prepared[i].defined()) wide.push_back(i);
+    }
+    while (!wide.empty()) {
+      const c10::Device device = g.masters[wide.front()].device();
+      std::vector<at::Tensor> masters, grads, expAvgs, expAvgSqs, steps;
+      std::vector<size_t> elsewhere;
+      for (size_t i : wide) {
+        if (g.masters[i].device() != device) {
+          elsewhere.push_back(i);
+          continue;
+        }
+        masters.push_back(g.masters[i]);
+        grads.push_back(g.prepared[i]);
+        expAvgs.push_back(g.expAvgs[i]);
+        expAvgSqs.push_back(g.expAvgSqs[i]);
+        steps.push_back(g.steps[i]);
+      }
+      at::_fused_adamw_(masters, grads, expAvgs, expAvgSqs, /*max_exp_avg_sqs=*/{}, steps, hp.lr, hp.beta1,
+                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false);
+      wide = std::move(elsewhere);
+    }
+    // Note [fp32 gradients one shard at a time]. The kernel treats every tensor of its lists on
+    // its own, so a call per shard computes what one call for the group would.
+    for (size_t i : mine) {
+      if (g.prepared[i].defined()) continue;
+      auto grad = fp32Grad(g, i);
+      at::_fused_adamw_({g.masters[i]}, {grad}, {g.expAvgs[i]}, {g.expAvgSqs[i]}, /*max_exp_avg_sqs=*/{},
+                        {g.steps[i]}, hp.lr, hp.beta1, hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false,
+                        /*maximize=*/false);
+      dropConverted(grad);
+    }
+  }
+}
+
+void ShardedAdamW::endStep() {
+  for (auto& g : groups_) g.prepared.clear();
   pendingFactors_.clear();
+  factorCopies_.clear();
 }
 
 int64_t ShardedAdamW::stateBytes() const {

@@ -1,5 +1,7 @@
-// AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group (per shard
-// when the gradients are 16-bit, Note [fp32 gradients one shard at a time]).
+// AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group and device
+// (per shard when the gradients are 16-bit, Note [fp32 gradients one shard at a time]). With
+// offload some or all shards are host tensors (optim/offload.h): they are stepped on the host,
+// with ATen's fused CPU kernel over the process's intra-op threads, the others on the device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +48,17 @@ class ShardedAdamW {
   void scaleGrads(const at::Tensor& factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
   void step();
+  // The same step, a few shards at a time (offload steps bucket by bucket, so that each one's
+  // copy back and all-gather overlap the next one's host step): beginStep(), stepShards() over
+  // every shard exactly once in any order, endStep(). The kernel treats every tensor of its
+  // lists on its own, so the values are those of step().
+  struct ShardRef {
+    int group;
+    size_t index;
+  };
+  void beginStep();
+  void stepShards(const std::vector<ShardRef>& shards);
+  void endStep();
   // The most bytes of fp32 copies of 16-bit gradients alive at once in the last step: the
   // largest shard's (4 bytes per element), or 0 when the gradients are fp32.
   int64_t peakConvertedBytes() const { return peakConvertedBytes_; }
@@ -76,10 +89,13 @@ class ShardedAdamW {
   // one with the multiplications of this step applied, in the order they were asked for.
   at::Tensor fp32Grad(const Group& g, size_t i);
   void dropConverted(const at::Tensor& grad);
+  // `factor` (a 0-dim tensor) on `device`: itself, or a copy made once per step.
+  const at::Tensor& factorOn(const at::Tensor& factor, const c10::Device& device);
 
   std::vector<Group> groups_;
   int64_t steps_ = 0;
   std::vector<at::Tensor> pendingFactors_;  // for 16-bit gradients, applied at conversion
+  std::vector<std::pair<at::Tensor, at::Tensor>> factorCopies_;  // (factor, copy on another device)
   int64_t liveConvertedBytes_ = 0;
   int64_t peakConvertedBytes_ = 0;
 };

@@ -39,13 +39,45 @@ ShardingPlan ShardingPlan::forStage(int64_t stage, int worldSize, std::string de
 }
 
 ShardingPlan ShardingPlan::fromConfig(const Config& config, int worldSize, std::string device) {
-  return forStage(config.zero.stage, worldSize, std::move(device));
+  ShardingPlan plan = forStage(config.zero.stage, worldSize, std::move(device));
+  // The reader already turned offload off where the stage has none (with a warning).
+  const auto& zero = config.zero;
+  if (zero.offloadOptimizer.toHost && plan.optimizerSharded() && zero.offloadOptimizer.ratio > 0) {
+    plan.optimizer_.placement = Placement::kHost;
+    plan.hostRatio_ = zero.offloadOptimizer.ratio;
+    plan.pinOptimizer_ = zero.offloadOptimizer.pinMemory;
+  }
+  if (zero.offloadParam.toHost && plan.paramsSharded()) {
+    plan.params_.placement = Placement::kHost;
+    plan.pinParams_ = zero.offloadParam.pinMemory;
+  }
+  return plan;
+}
+
+bool ShardingPlan::optimizerOnHost(size_t bucket, size_t buckets) const {
+  if (optimizer_.placement != Placement::kHost) return false;
+  const auto firstOnHost = static_cast<size_t>((1.0 - hostRatio_) * static_cast<double>(buckets));
+  return bucket >= firstOnHost;
+}
+
+bool ShardingPlan::anyOptimizerOnHost(size_t buckets) const {
+  return buckets > 0 && optimizerOnHost(buckets - 1, buckets);
+}
+
+std::vector<char> ShardingPlan::optimizerOnHostByBucket(size_t buckets) const {
+  std::vector<char> onHost;
+  for (size_t i = 0; i < buckets; ++i) onHost.push_back(optimizerOnHost(i, buckets) ? 1 : 0);
+  return onHost;
 }
 
 std::string ShardingPlan::describe() const {
+  std::string optimizer = describeState("optimizer state", optimizer_, shardGroupSize_, device_);
+  if (optimizer_.placement == Placement::kHost && hostRatio_ < 1.0) {
+    optimizer += " (the last " + std::to_string(static_cast<int>(hostRatio_ * 100 + 0.5)) +
+                 "% of the buckets; the others on " + device_ + ")";
+  }
   return describeState("parameters", params_, shardGroupSize_, device_) + "\n" +
-         describeState("gradients", grads_, shardGroupSize_, device_) + "\n" +
-         describeState("optimizer state", optimizer_, shardGroupSize_, device_);
+         describeState("gradients", grads_, shardGroupSize_, device_) + "\n" + optimizer;
 }
 
 }  // namespace zeroshard

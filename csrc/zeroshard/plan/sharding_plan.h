@@ -7,12 +7,14 @@
 // touches torch (like config.h), so any layer can include it.
 //
 // Today the shard group is the whole world and the replicate group has one member; hybrid
-// sharding (a shard group per node, replication across nodes) and offload (host placement)
-// are new values of these fields, not new branches in the engine.
+// sharding (a shard group per node, replication across nodes) will be new values of these
+// fields. Offload (ZeRO-Offload) is the placement: the optimizer state (stages 1-3) and the
+// parameter shards (stage 3) in host memory (optim/offload.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zeroshard {
 
@@ -50,6 +52,20 @@ class ShardingPlan {
   // updated parameters are gathered after the step.
   bool optimizerSharded() const { return optimizer_.sharded(); }
 
+  // Offload: whether bucket `bucket` of `buckets` keeps its optimizer state (fp32 master weights,
+  // exp_avg, exp_avg_sq, and the fp32 gradient shard it reads) in host memory and steps there.
+  // With offload_optimizer.ratio r < 1, the buckets from int((1 - r) * buckets) on do, as
+  // DeepSpeed splits its sub-groups; the others stay on the compute device.
+  bool optimizerOnHost(size_t bucket, size_t buckets) const;
+  bool anyOptimizerOnHost(size_t buckets) const;
+  // optimizerOnHost(i, buckets) for every bucket i, as 0 / 1.
+  std::vector<char> optimizerOnHostByBucket(size_t buckets) const;
+  // Stage 3 with offload_param: every unit's parameter shard lives in host memory.
+  bool paramsOnHost() const { return params_.placement == Placement::kHost; }
+  // Host buffers are page-locked (with a GPU only: pinning needs one).
+  bool pinOptimizer() const { return pinOptimizer_; }
+  bool pinParams() const { return pinParams_; }
+
   // The ranks a sharded state is split over, and how many copies of each shard exist.
   int shardGroupSize() const { return shardGroupSize_; }
   int replicateGroupSize() const { return replicateGroupSize_; }
@@ -67,6 +83,9 @@ class ShardingPlan {
   int shardGroupSize_ = 1;
   int replicateGroupSize_ = 1;
   std::string device_;
+  double hostRatio_ = 1.0;
+  bool pinOptimizer_ = false;
+  bool pinParams_ = false;
   StatePlan params_;
   StatePlan grads_;
   StatePlan optimizer_;

@@ -6,6 +6,9 @@
 #include <c10/util/Exception.h>
 
 #include "zeroshard/comm/gather_values.h"
+#include "zeroshard/layout/host_memory.h"
+
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <sstream>
@@ -13,7 +16,7 @@
 namespace zeroshard {
 
 UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
-                           int64_t prefetchElements, int64_t maxLiveElements)
+                           int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin)
     : units_(units),
       policies_(std::move(policies)),
       comm_(comm),
@@ -23,10 +26,12 @@ UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy>
               " policies");
   states_.assign(units_.size(), UnitState::kSharded);
   pending_.resize(units_.size());
+  stagedShards_.resize(units_.size());
   allocStreams_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = units_[u];
     unit.detachShard();
+    if (shardsOnHost) unit.moveShardToHost(pin);
     if (policies_[u].keepGathered) {
       unit.allocateZeroed();  // a meta model's bucket has none yet (Note [meta buckets])
       states_[u] = UnitState::kGathered;
@@ -47,7 +52,7 @@ void UnitScheduler::startUnshard(size_t u) {
   unit.materializeFlatParams();
   const auto device = unit.flatParams().device();
   if (!device.is_cpu()) allocStreams_[u] = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-  pending_[u] = comm_.allGather(unit.paramShard(), unit.flatParams());
+  pending_[u] = startGather(u);
   states_[u] = UnitState::kGathering;
   liveElements_ += unit.layout().paddedNumel();
   liveBytes_ += static_cast<int64_t>(unit.flatParams().nbytes());
@@ -60,8 +65,19 @@ void UnitScheduler::unshard(size_t u) {
     auto handle = std::move(*pending_[u]);
     pending_[u].reset();
     handle.wait();
+    finished(u);
     states_[u] = UnitState::kGathered;
   }
+}
+
+CommHandle UnitScheduler::startGather(size_t u) {
+  auto& unit = units_[u];
+  if (!unit.shardOnHost()) return comm_.allGather(unit.paramShard(), unit.flatParams());
+  // Issued on the current stream before the collective, which c10d orders after it.
+  auto& staged = stagedShards_[u];
+  staged = at::empty({unit.layout().shardNumel()}, unit.flatParams().options());
+  copyBetween(staged, unit.paramShard());
+  return comm_.allGather(staged, unit.flatParams());
 }
 
 void UnitScheduler::reshard(size_t u) {
@@ -180,6 +196,14 @@ void UnitScheduler::checkOrderAcrossRanks() {
   }
 }
 
+int64_t UnitScheduler::hostBytes() const {
+  int64_t total = 0;
+  for (const auto& unit : units_) {
+    if (unit.shardOnHost()) total += static_cast<int64_t>(unit.paramShard().nbytes());
+  }
+  return total;
+}
+
 int64_t UnitScheduler::bytes() const {
   int64_t total = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -190,11 +214,21 @@ int64_t UnitScheduler::bytes() const {
 }
 
 void UnitScheduler::refreshKeptUnits() {
-  std::vector<CommHandle> handles;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    if (policies_[u].keepGathered) handles.push_back(comm_.allGather(units_[u].paramShard(), units_[u].flatParams()));
+  for (size_t u = 0; u < units_.size(); ++u) afterStepOf(u);
+  finishAfterStep();
+}
+
+void UnitScheduler::afterStepOf(size_t u) {
+  if (policies_.at(u).keepGathered) refreshing_.emplace_back(u, startGather(u));
+}
+
+void UnitScheduler::finishAfterStep() {
+  auto refreshing = std::move(refreshing_);
+  refreshing_.clear();
+  for (auto& [u, handle] : refreshing) {
+    handle.wait();
+    finished(u);
   }
-  for (auto& h : handles) h.wait();
 }
 
 void UnitScheduler::gatherAll() {

@@ -38,8 +38,11 @@ struct UnitPolicy {
 // The sharded parameter storage of stage 3 (layout/param_storage.h).
 class UnitScheduler final : public ParamStorage {
  public:
+  // `shardsOnHost` (offload_param): every unit's shard lives in host memory (pinned with `pin`
+  // on a GPU); a gather first copies it to the device, as part of the gather, so a prefetched
+  // gather prefetches the copy too, and the device copy is dropped once the gather is done.
   UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
-               int64_t prefetchElements, int64_t maxLiveElements);
+               int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
   void preForward(UnitIndex unit);
@@ -56,6 +59,8 @@ class UnitScheduler final : public ParamStorage {
   // gather from their shards when next used).
   void refreshKeptUnits();
   void afterStep() override { refreshKeptUnits(); }
+  void afterStepOf(size_t unit) override;
+  void finishAfterStep() override;
 
   // gathered_parameters() and full state dicts.
   void gatherAll() override;
@@ -69,6 +74,7 @@ class UnitScheduler final : public ParamStorage {
   int64_t gatheredBytes() const { return liveBytes_; }
   // Between steps a unit holds its shard; kept-gathered units also hold the full buffer.
   int64_t bytes() const override;
+  int64_t hostBytes() const override;
 
   bool isReleasable(UnitIndex unit) const { return !policies_.at(unit.value).keepGathered; }
   int64_t peakGatheredBytes() const override { return peakBytes_; }
@@ -81,6 +87,10 @@ class UnitScheduler final : public ParamStorage {
   void prefetch(size_t unit);
   void orderAllocationAfterUse(size_t unit);
   void checkOrderAcrossRanks();
+  // An all-gather of unit u's shard into its full buffer (started; the device copy of a host
+  // shard is kept until finished() is called for it).
+  CommHandle startGather(size_t u);
+  void finished(size_t u) { stagedShards_[u] = at::Tensor(); }
   const std::string& nameOf(size_t unit) const;
 
   std::vector<Bucket>& units_;
@@ -90,6 +100,8 @@ class UnitScheduler final : public ParamStorage {
   int64_t maxLiveElements_;
   std::vector<UnitState> states_;
   std::vector<std::optional<CommHandle>> pending_;
+  std::vector<at::Tensor> stagedShards_;  // offload_param: a host shard's device copy, during its gather
+  std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;
   std::vector<size_t> order_;

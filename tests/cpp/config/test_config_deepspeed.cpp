@@ -154,16 +154,45 @@ TEST_CASE("tensor_parallel of size 0 or 1 is accepted and larger is an error", "
                   "tensor_parallel.autotp_size: must be a whole number, got string \"auto2\"") == "");
 }
 
-TEST_CASE("offload device none is silent and cpu or nvme warn", "[config]") {
-  CHECK(Config::fromJsonString(
-            R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": true},
-                "offload_param": {"device": "none", "pin_memory": true}}})")
-            .warnings.empty());
-  const Config cpu = Config::fromJsonString(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
-  REQUIRE(cpu.warnings.size() == 1);
-  REQUIRE(missing(cpu.warnings[0], "\"zero_optimization.offload_optimizer\" is a DeepSpeed key zeroshard does not "
-                                   "implement yet; it is ignored: \"zero_optimization.offload_optimizer.device\": \"cpu\" "
-                                   "asks for offload") == "");
+TEST_CASE("offload: none is off, cpu takes effect at the stages that have it, nvme is refused", "[config]") {
+  const Config none = Config::fromJsonString(
+      R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": true,
+          "buffer_count": 4}, "offload_param": {"device": "none", "pin_memory": true}}})");
+  CHECK(none.warnings.empty());
+  CHECK(!none.zero.offloadOptimizer.toHost);
+  CHECK(!none.zero.offloadParam.toHost);
+
+  // The NVMe knobs are inert with "cpu" too, as in DeepSpeed.
+  const Config cpu = Config::fromJsonString(
+      R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": false,
+          "ratio": 0.25, "buffer_count": 4, "fast_init": true}, "offload_param": {"device": "cpu", "max_in_cpu": 1e9}}})");
+  CHECK(cpu.warnings.empty());
+  CHECK(cpu.zero.offloadOptimizer.toHost);
+  CHECK(!cpu.zero.offloadOptimizer.pinMemory);
+  CHECK(cpu.zero.offloadOptimizer.ratio == 0.25);
+  CHECK(cpu.zero.offloadParam.toHost);
+  CHECK(cpu.zero.offloadParam.pinMemory);  // DeepSpeed's default
+  // The parsed config writes them back.
+  const Config again = Config::fromJsonString(cpu.toJsonString());
+  CHECK(again.zero.offloadOptimizer.ratio == 0.25);
+  CHECK(again.zero.offloadParam.toHost);
+
+  // Where the stage has nothing to offload: a warning naming the key, and nothing moves.
+  const Config stage0 = Config::fromJsonString(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  REQUIRE(stage0.warnings.size() == 1);
+  REQUIRE(missing(stage0.warnings[0], "\"zero_optimization.offload_optimizer.device\": \"cpu\" is ignored at "
+                                      "zero_optimization.stage 0") == "");
+  CHECK(!stage0.zero.offloadOptimizer.toHost);
+  const Config stage2 = Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})");
+  REQUIRE(stage2.warnings.size() == 1);
+  REQUIRE(missing(stage2.warnings[0], "\"zero_optimization.offload_param.device\": \"cpu\" is ignored at "
+                                      "zero_optimization.stage 2; the parameters go to host memory at stage 3 only") == "");
+
+  REQUIRE(missing(errorOf(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})"),
+                  "zero_optimization.offload_param.device: \"nvme\" (ZeRO-Infinity) is not supported by zeroshard; "
+                  "use \"cpu\"") == "");
+  REQUIRE(missing(errorOf(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})"),
+                  "zero_optimization.offload_optimizer.ratio: must be between 0 and 1, got") == "");
   REQUIRE(missing(errorOf(R"({"zero_optimization": {"offload_param": {"device": "gpu"}}})"),
                   "zero_optimization.offload_param.device: must be \"none\", \"cpu\" or \"nvme\", got string \"gpu\"") == "");
 }

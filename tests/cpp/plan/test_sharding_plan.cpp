@@ -7,6 +7,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 using zeroshard::Config;
 using zeroshard::ShardingPlan;
@@ -45,6 +46,37 @@ TEST_CASE("describe gives one line per state naming its sharding and ranks and p
         "parameters: replicated on rank 0 (every rank holds all of it), on cpu\n"
         "gradients: replicated on rank 0 (every rank holds all of it), on cpu\n"
         "optimizer state: sharded over rank 0 (1 shard), on cpu");
+}
+
+TEST_CASE("offload places the optimizer state (by bucket, with ratio) and stage-3 parameters in host memory") {
+  const Config both = Config::fromJsonString(
+      R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu",
+          "pin_memory": false}}})");
+  const ShardingPlan plan = ShardingPlan::fromConfig(both, 2, "cuda:0");
+  CHECK(plan.paramsOnHost());
+  CHECK(plan.pinOptimizer());
+  CHECK_FALSE(plan.pinParams());
+  CHECK(plan.optimizerOnHostByBucket(3) == std::vector<char>{1, 1, 1});
+  CHECK(plan.describe() ==
+        "parameters: sharded over ranks 0-1 (2 shards), in host memory\n"
+        "gradients: sharded over ranks 0-1 (2 shards), on cuda:0\n"
+        "optimizer state: sharded over ranks 0-1 (2 shards), in host memory");
+
+  // DeepSpeed's partial offload: of n sub-groups (here buckets), those from int((1 - ratio) * n).
+  const Config partial =
+      Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
+  const ShardingPlan half = ShardingPlan::fromConfig(partial, 2);
+  CHECK_FALSE(half.paramsOnHost());
+  CHECK(half.optimizerOnHostByBucket(4) == std::vector<char>{0, 0, 1, 1});
+  CHECK(half.optimizerOnHostByBucket(3) == std::vector<char>{0, 1, 1});
+  CHECK(half.optimizerOnHostByBucket(1) == std::vector<char>{1});
+  CHECK(half.anyOptimizerOnHost(1));
+  CHECK(half.describe().find("optimizer state: sharded over ranks 0-1 (2 shards), in host memory (the last 50% of the "
+                             "buckets; the others on cpu)") != std::string::npos);
+  const Config none =
+      Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}})");
+  CHECK_FALSE(ShardingPlan::fromConfig(none, 2).anyOptimizerOnHost(4));
+  CHECK_FALSE(ShardingPlan::fromConfig(Config::fromJsonString("{}"), 2).anyOptimizerOnHost(4));
 }
 
 TEST_CASE("a stage outside 0-3 or an empty world is not a plan") {

@@ -11,7 +11,7 @@ at::Tensor emptyOnHost(int64_t numel, at::ScalarType dtype, bool pin, const c10:
 
 at::Tensor copyToHost(const at::Tensor& src, bool pin, const c10::Device& computeDevice) {
   at::Tensor out = emptyOnHost(src.numel(), src.scalar_type(), pin, computeDevice);
-  copyBetween(out, src.reshape({-1}));
+  out.copy_(src.reshape({-1}));  // blocking: it is read on the host right after
   return out;
 }
 
@@ -21,7 +21,20 @@ void copyBetween(const at::Tensor& dst, const at::Tensor& src) {
     return;
   }
   const at::Tensor& host = dst.is_cpu() ? dst : src;
-  dst.copy_(src, /*non_blocking=*/host.is_pinned());
+  const bool pinned = host.is_pinned();
+  if (dst.scalar_type() == src.scalar_type()) {
+    dst.copy_(src, /*non_blocking=*/pinned);
+    return;
+  }
+  // Cast on the device side, so that the host side moves as it is stored (torch would stage a
+  // cross-device cast through a pageable host temporary, which is synchronous).
+  if (dst.is_cpu()) {
+    dst.copy_(src.to(dst.scalar_type()), /*non_blocking=*/pinned);
+  } else {
+    at::Tensor staged = at::empty(src.sizes(), dst.options().dtype(src.scalar_type()));
+    staged.copy_(src, /*non_blocking=*/pinned);
+    dst.copy_(staged);
+  }
 }
 
 }  // namespace zeroshard

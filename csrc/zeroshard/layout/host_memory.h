@@ -18,10 +18,11 @@ namespace zeroshard {
 // An uninitialised 1-D host tensor of `numel` elements; pinned when `pin` and `computeDevice`
 // is not the CPU.
 at::Tensor emptyOnHost(int64_t numel, at::ScalarType dtype, bool pin, const c10::Device& computeDevice);
-// A host copy of `src` (any device), pinned as emptyOnHost decides.
+// A host copy of `src` (any device), pinned as emptyOnHost decides; blocking.
 at::Tensor copyToHost(const at::Tensor& src, bool pin, const c10::Device& computeDevice);
 // dst.copy_(src), non-blocking when one side is pinned host memory and the other a device
-// (the copy is then ordered on the current stream, like a kernel).
+// (the copy is then ordered on the current stream, like a kernel: the host side must not be
+// read or written before that stream has run it). A dtype change is done on the device side.
 void copyBetween(const at::Tensor& dst, const at::Tensor& src);
 
 }  // namespace zeroshard

@@ -317,6 +317,48 @@ void stage3Units() {
   std::cout << "rank " << engine.rank() << ": stage 3 units as built\n";
 }
 
+// From C++, offload is a config key: two engines on one process group, the second with
+// offload_optimizer "cpu", train the same model bitwise alike; the second holds its optimizer
+// state and an fp32 gradient shard in host memory (fp32: a master copy of its own, 12 bytes per
+// shard element), nothing of the optimizer on the device.
+void stage2Offload() {
+  const auto group = zeroshard::initProcessGroupFromEnv(std::chrono::seconds(60));
+  std::string offloaded = stage2Config(/*clipping=*/0.1);
+  const std::string key = R"("reduce_bucket_size": 64)";
+  offloaded.replace(offloaded.find(key), key.size(), key + R"(, "offload_optimizer": {"device": "cpu"})");
+  auto plainModel = makeModel();
+  auto offloadModel = makeModel();
+  zeroshard::Engine plain(*plainModel, group, zeroshard::Config::fromJsonString(stage2Config(0.1)));
+  zeroshard::Engine offload(*offloadModel, group, zeroshard::Config::fromJsonString(offloaded));
+  const int world = plain.worldSize();
+  const int rank = plain.rank();
+  for (int step = 0; step < kSteps; ++step) {
+    const Batch batch = globalBatch(step, world);
+    const auto x = batch.x.narrow(0, rank * kMicro, kMicro);
+    const auto y = batch.y.narrow(0, rank * kMicro, kMicro);
+    plain.backward(torch::mse_loss(plainModel->forward(x), y));
+    plain.step();
+    offload.backward(torch::mse_loss(offloadModel->forward(x), y));
+    offload.step();
+  }
+  const auto a = plainModel->parameters();
+  const auto b = offloadModel->parameters();
+  for (size_t i = 0; i < a.size(); ++i) TORCH_CHECK(torch::equal(a[i], b[i]), "parameter ", i, " differs with offload");
+  const auto p = plain.memoryStats();
+  const auto o = offload.memoryStats();
+  const int64_t shardElements = p.optimizerBytes / 8;  // exp_avg + exp_avg_sq, fp32
+  TORCH_CHECK(p.hostTotalBytes() == 0, "without offload nothing is in host memory");
+  TORCH_CHECK(o.hostOptimizerBytes == 12 * shardElements && o.deviceOptimizerBytes() == 0,
+              "offloaded optimizer bytes: host ", o.hostOptimizerBytes, ", device ", o.deviceOptimizerBytes());
+  TORCH_CHECK(o.hostGradBytes == 4 * shardElements && o.deviceGradBytes() == p.gradBytes,
+              "offloaded gradient bytes: host ", o.hostGradBytes, ", device ", o.deviceGradBytes());
+  TORCH_CHECK(o.hostParamBytes == 0 && o.paramBytes == p.paramBytes, "parameters stay on the device at stage 2");
+  TORCH_CHECK(offload.plan().describe().find("optimizer state: sharded over ranks 0-") != std::string::npos &&
+                  offload.plan().describe().find("in host memory") != std::string::npos,
+              offload.plan().describe());
+  std::cout << "rank " << rank << ": offloaded run is bitwise the plain one\n";
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -327,10 +369,11 @@ int main(int argc, char** argv) {
       {"batch_size_mismatch", batchSizeMismatch},
       {"checkpoint_resume", [&] { checkpointResume(argc > 2 ? argv[2] : ""); }},
       {"stage3_units", stage3Units},
+      {"stage2_offload", stage2Offload},
   };
   if (argc < 2 || argc > 3 || !scenarios.count(argv[1])) {
     std::cerr << "usage: zeroshard_engine_worker stage2_parity|stage2_accounting|step_before_backward|"
-                 "batch_size_mismatch|checkpoint_resume DIR|stage3_units\n";
+                 "batch_size_mismatch|checkpoint_resume DIR|stage3_units|stage2_offload\n";
     return 2;
   }
   try {

@@ -44,6 +44,12 @@ TEST_CASE("Engine::stage3Units lists the named units and the root with their per
   CHECK(outcomes[0].output.find("stage 3 units as built") != std::string::npos);
 }
 
+TEST_CASE("from C++, offload_optimizer cpu trains bitwise like the plain engine with its state in host memory",
+          "[engine][offload]") {
+  auto outcomes = runScenario("stage2_offload", 2);
+  CHECK(outcomes[0].output.find("offloaded run is bitwise the plain one") != std::string::npos);
+}
+
 TEST_CASE("engine.step() before any backward is an error that says to call backward", "[engine]") {
   auto outcomes = runScenario("step_before_backward", 2);
   for (const auto& o : outcomes) CHECK(o.output.find("expected error") != std::string::npos);

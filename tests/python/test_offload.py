@@ -83,11 +83,32 @@ def _partial(rank, world_size, stage):
             "half": _run(rank, world_size, _config(stage, "bf16", ratio))}
 
 
+def _meta(rank, world_size, stage, precision, offload):
+    """A model built on the meta device, initialised into offloaded storage, against the same
+    model built normally without offload."""
+    import zeroshard
+    from test_meta_init import build, config
+
+    out = {}
+    for meta in (False, True):
+        model = build(meta)
+        cfg = config(stage, precision)
+        if meta:
+            cfg["zero_optimization"] |= offload
+        engine = zeroshard.initialize(model, cfg)
+        start = engine.full_state_dict(dtype=torch.float32)
+        train_global_batches(model, engine, rank, world_size, range(2))
+        out[meta] = {"start": start, "master": engine.full_state_dict(dtype=torch.float32),
+                     "params": engine.full_state_dict(), "host": engine.memory_stats()["host_total"]}
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs():
     cases = {ws: {f"stage{stage}_{precision}": (_bitwise, stage, precision)
                   for stage in (1, 2, 3) for precision in ("fp32", "bf16")} for ws in WORLD_SIZES}
-    cases[2] |= {"fp16": (_fp16,), "partial_stage2": (_partial, 2), "partial_stage3": (_partial, 3)}
+    cases[2] |= {"fp16": (_fp16,), "partial_stage2": (_partial, 2), "partial_stage3": (_partial, 3),
+                 "meta_stage3": (_meta, 3, "bf16", OPTIMIZER | PARAMS), "meta_stage1": (_meta, 1, "fp32", OPTIMIZER)}
     return SharedRuns(cases)
 
 
@@ -173,6 +194,16 @@ def test_partial_offload_keeps_the_last_buckets_on_the_host(runs, stage):
         assert 0 < mem["host_optimizer"] < mem["optimizer"], mem
         assert mem["optimizer"] == result["none"]["memory"]["optimizer"]
         assert "the last 50% of the buckets" in result["half"]["plan"]
+
+
+@pytest.mark.parametrize("case", ["meta_stage3", "meta_stage1"])
+def test_a_meta_device_model_initialises_into_offloaded_storage(runs, case):
+    for result in runs.result(2, case):
+        normal, meta = result[False], result[True]
+        assert meta["host"] > 0 and normal["host"] == 0
+        for key in ("start", "master", "params"):
+            for name, value in normal[key].items():
+                assert torch.equal(meta[key][name], value), (key, name)
 
 
 # Checkpoints: offloaded state saves and loads like any other. Saved with and without offload

@@ -1,7 +1,7 @@
 """DeepSpeed users' configs as they are: the files in ds_configs/ are written in the styles found
 in the wild (the Hugging Face Trainer's templates with "auto", a fine-tuning project's ZeRO-3
 file without an optimizer section, DeepSpeed's own examples, comment keys and monitors, old key
-names, offload device "none"); each loads, its "auto" keys resolve the way the Trainer fills
+names, offload device "none" and "cpu"); each loads, its "auto" keys resolve the way the Trainer fills
 them, and it trains at 2 ranks. Also: the "auto" rules through initialize, and torch schedulers
 through engine.optimizer. The spawned cases share one run per world size (spawn.SharedRuns),
 each with its own result and failure."""
@@ -43,6 +43,8 @@ TRAINER = {
 EXPECTED = {
     "hf_zero2.json": (2, []),
     "hf_zero3.json": (3, ["zero_optimization.sub_group_size", "zero_optimization.stage3_max_reuse_distance"]),
+    # The Trainer's ZeRO-3 template as its documentation shows it, with both offloads to "cpu".
+    "hf_zero3_offload.json": (3, ["zero_optimization.sub_group_size", "zero_optimization.stage3_max_reuse_distance"]),
     "finetune_z3_bf16.json": (3, ["zero_allow_untested_optimizer", "zero_optimization.sub_group_size",
                                   "zero_optimization.stage3_max_reuse_distance"]),
     "ds_example_cifar.json": (1, ["prescale_gradients", "fp16.fp16_master_weights_and_grads",
@@ -114,20 +116,24 @@ def _run_corpus(rank, world_size):
         losses = train_global_batches(model, engine, rank, world_size, range(3),
                                       micro=engine.train_micro_batch_size_per_gpu)
         out[name] = (engine.config.auto_keys, engine.global_steps, losses,
-                     engine.config.zero_optimization.reduce_bucket_size, engine.config.stage)
+                     engine.config.zero_optimization.reduce_bucket_size, engine.config.stage,
+                     engine.memory_stats()["host_total"])
     return out
 
 
 def test_every_config_trains_at_two_ranks_after_the_trainers_fill(runs):
     results = runs.result(2, "corpus")
     h = 24  # make_model's width: the hidden size read from the weights
-    for name, (autos, steps, losses, reduce_bucket, stage) in results[0].items():
+    for name, (autos, steps, losses, reduce_bucket, stage, host) in results[0].items():
         assert autos == [], name
+        assert (host > 0) == ("offload" in name), (name, host)
         assert steps == 3, name
         assert all(math.isfinite(x) for x in losses), (name, losses)
         if "zero_optimization.reduce_bucket_size" in _load(name).auto_keys:
             assert reduce_bucket == h * h, name
     assert results[0] == results[1]
+    # Offload changes where the state lives, not the numbers.
+    assert results[0]["hf_zero3_offload.json"][2] == results[0]["hf_zero3.json"][2]
 
 
 def _initialize_errors(rank, world_size):

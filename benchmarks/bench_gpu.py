@@ -233,8 +233,8 @@ def report(results, s, rows):
     for stage in (2, 3):  # what offload costs in speed (no target: that is what the row is for)
         on, off = ok.get(f"zeroshard-stage{stage}-offload"), ok.get(f"zeroshard-stage{stage}")
         if on and off:
-            lines.append(f"- zeroshard-stage{stage}-offload tokens/s: {on['tokens_per_second'] / off['tokens_per_second']:.3f}"
-                         f" × zeroshard-stage{stage}'s")
+            ratio = on["tokens_per_second"] / off["tokens_per_second"]
+            lines.append(f"- zeroshard-stage{stage}-offload tokens/s: {ratio:.3f} × zeroshard-stage{stage}'s")
     return "\n".join(lines), problems
 
 

@@ -1,11 +1,11 @@
 """One training step of each benchmarked setup, and what each should hold in model state.
 
 Every benchmark that trains goes through make_step(name, model, recipe): zeroshard at stages
-0-3 (and with ZeRO-Offload: bench_offload.py, bench_gpu.py), DDP + AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard), each in fp32
-(bench_stages.py) or bf16 mixed precision (bench_bf16.py, bench_gpu.py), and the single-process
-recipes bench_gpu.py compares with. A step is called with a batch of tokens and returns the loss;
-memory() reports the model state it holds. state_formula(name, ...) says what that should be, in
-model_state.py's terms.
+0-3 (also with ZeRO-Offload: bench_offload.py, bench_gpu.py), DDP + AdamW, DDP +
+ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard), each in fp32 (bench_stages.py) or bf16 mixed
+precision (bench_bf16.py, bench_gpu.py), and the single-process recipes bench_gpu.py compares with.
+A step is called with a batch of tokens and returns the loss; memory() reports the model state it
+holds. state_formula(name, ...) says what that should be, in model_state.py's terms.
 """
 
 import contextlib
@@ -29,8 +29,6 @@ SINGLE_PROCESS_CONFIGS = ("plain-bf16", "plain-autocast")
 # optimizer state in host memory (offload_optimizer "cpu", stages 1-3), "-offload+param" the
 # stage-3 parameter shards too (offload_param "cpu"); pin_memory true for both.
 OFFLOADS = {"": (), "-offload": ("optimizer",), "-offload+param": ("optimizer", "param")}
-OFFLOAD_CONFIGS = ("zeroshard-stage2-offload-bf16", "zeroshard-stage3-offload-bf16",
-                   "zeroshard-stage3-offload+param-bf16")
 
 
 @dataclass(frozen=True)
@@ -316,7 +314,8 @@ def _zeroshard_config(name):
     prefix = "zeroshard-stage"
     offload = OFFLOADS.get(base[len(prefix) + 1:])
     if not base.startswith(prefix) or not base[len(prefix):len(prefix) + 1].isdigit() or offload is None:
-        raise ValueError(f"unknown zeroshard config {name!r}: expected zeroshard-stage<0-3>[{'|'.join(OFFLOADS)}][-bf16]")
+        raise ValueError(f"unknown zeroshard config {name!r}: expected zeroshard-stage<0-3>, then one of "
+                         f"{', '.join(repr(k) for k in OFFLOADS)}, then '-bf16' or nothing")
     stage = int(base[len(prefix)])
     if (offload and stage == 0) or ("param" in offload and stage != 3):
         raise ValueError(f"config {name!r}: the optimizer is offloaded at stages 1-3, the parameters at stage 3 only")
@@ -324,8 +323,8 @@ def _zeroshard_config(name):
 
 
 def make_step(name, model, recipe):
-    """The step of config `name` (FP32_CONFIGS, BF16_CONFIGS, OFFLOAD_CONFIGS or
-    SINGLE_PROCESS_CONFIGS) around `model`."""
+    """The step of config `name` (FP32_CONFIGS, BF16_CONFIGS or SINGLE_PROCESS_CONFIGS, or a
+    zeroshard one with an OFFLOADS suffix) around `model`."""
     bf16 = name.endswith("-bf16")
     base = name[:-len("-bf16")] if bf16 else name
     if base.startswith("zeroshard-stage"):
@@ -368,12 +367,11 @@ def _offload_text(name, world_size, kept_params):
     stage, precision, offload = _zeroshard_config(name)
     per = offloaded_state_bytes(stage, 1, 1, precision, optimizer="optimizer" in offload, params="param" in offload)
 
-    def place(where):
-        whole = sum(per[f"{where}_{k}"] for k in ELEMENT_BYTES[precision] if k not in SHARDED[stage])
-        split = sum(per[f"{where}_{k}"] for k in ELEMENT_BYTES[precision] if k in SHARDED[stage])
-        return " + ".join(([str(whole)] if whole else []) + ([f"{split}/{world_size}"] if split else [])) or "0"
-
-    text = f"{place('device')} on the device, {place('host')} on the host"
+    # The host holds shards only (of the optimizer state, the fp32 gradients, the parameters).
+    whole = sum(per[f"device_{k}"] for k in ELEMENT_BYTES[precision] if k not in SHARDED[stage])
+    split = sum(per[f"device_{k}"] for k in ELEMENT_BYTES[precision] if k in SHARDED[stage])
+    device = " + ".join(([str(whole)] if whole else []) + ([f"{split}/{world_size}"] if split else [])) or "0"
+    text = f"{device} on the device, {sum(per[f'host_{k}'] for k in ELEMENT_BYTES[precision])}/{world_size} on the host"
     if stage == 3:
         text += f", + {ELEMENT_BYTES[precision]['params']} for {kept_params:,} kept"
     return text

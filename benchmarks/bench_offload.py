@@ -1,7 +1,7 @@
 """ZeRO-Offload on CPU: the host AdamW step's throughput against torch's and DeepSpeed's CPU
 AdamW, and the step time of a small GPT with and without offload at stages 2 and 3.
 
-    python benchmarks/bench_offload.py                     # 2^24 and 2^26 elements, then the GPT; ~2 minutes on 2 cores
+    python benchmarks/bench_offload.py                     # 2^24 and 2^26 elements, then the GPT: ~2 minutes on 2 cores
     python benchmarks/bench_offload.py --tiny              # smoke run, under 30 s
     python benchmarks/bench_offload.py --json out.json --markdown out.md
 
@@ -19,10 +19,11 @@ values and gradients for every implementation:
                            --deepspeed-build-timeout seconds, ~3 minutes on 2 cores the first time,
                            cached after); --tiny only uses an op built before; a failure is
                            reported in its cells.
-Step time: the GPT of bench_stages.py in bf16 on 2 Gloo ranks (one thread each, spawned), every
-config in the same pair of processes, --rounds times in alternating order: zeroshard stage 2
-and 3 without offload, with offload_optimizer, and stage 3 with offload_param too (stage 3:
-every parameter sharded, persistence threshold 0). memory_stats() by place against
+Step time: the GPT of bench_stages.py in bf16 (batch 1 x 64: a CPU bf16 matmul is ~20x slower
+than fp32) on 2 Gloo ranks (one thread each, spawned), every config in the same pair of
+processes, 2 rounds in alternating order: zeroshard stage 2 and 3 without offload, with
+offload_optimizer, and stage 3 with offload_param too (stage 3: every parameter sharded,
+persistence threshold 0). memory_stats() by place against
 model_state.offloaded_state_bytes. See benchmarks/README.md ("Offload").
 """
 
@@ -57,7 +58,7 @@ CONFIGS = {"zeroshard-stage2-bf16": None, "zeroshard-stage2-offload-bf16": "zero
            "zeroshard-stage3-bf16": None, "zeroshard-stage3-offload-bf16": "zeroshard-stage3-bf16",
            "zeroshard-stage3-offload+param-bf16": "zeroshard-stage3-bf16"}
 PLACES = ("host_params", "host_grads", "host_optimizer", "device_params", "device_grads", "device_optimizer")
-FULL = dict(sizes=[2**24, 2**26], warmup=2, reps=7, steps=10, step_warmup=3, rounds=2, batch=8, seq=64,
+FULL = dict(sizes=[2**24, 2**26], warmup=2, reps=7, steps=6, step_warmup=2, rounds=2, batch=1, seq=64,
             model=dict(vocab=512, dim=256, heads=4, hidden=1024, layers=6), bucket_elems=1_500_000)
 TINY = dict(sizes=[2**16], warmup=1, reps=2, steps=2, step_warmup=1, rounds=1, batch=2, seq=16,
             model=dict(vocab=96, dim=32, heads=2, hidden=128, layers=2), bucket_elems=4000)
@@ -321,7 +322,7 @@ def run(args):
     if bad:
         raise SystemExit(f"bench_offload.py: --sizes {bad} must be multiples of {16 * CHUNKS} (4 aligned chunks)")
     threads = args.threads or torch.get_num_threads()
-    began = time.monotonic()
+    began, load_before = time.monotonic(), os.getloadavg()[0]
     deepspeed_error = ("left out (--no-deepspeed)" if args.no_deepspeed
                        else deepspeed_build(args.deepspeed_build_timeout, build=not args.tiny))
     print(f"DeepSpeedCPUAdam: {deepspeed_error or 'built'} ({time.monotonic() - began:.0f} s)", flush=True)
@@ -334,11 +335,13 @@ def run(args):
     params = sum(p.numel() for p in make_model(s["seed"], **s["model"], max_seq=s["seq"]).parameters())
     report = {"torch": torch.__version__, "cpus": os.cpu_count(), "threads": threads, "settings": s,
               "date": datetime.date.today().isoformat(), "seconds": time.monotonic() - began, "params": params,
-              "world_size": world_size, "deepspeed_error": deepspeed_error, "throughput": throughput, "steps": steps}
+              "world_size": world_size, "deepspeed_error": deepspeed_error, "throughput": throughput, "steps": steps,
+              "load_average": [load_before, os.getloadavg()[0]]}
     note = (f"torch {torch.__version__}, {os.cpu_count()} CPUs, {report['date']}; host AdamW at {threads} threads, "
             f"median of {s['reps']} steps after {s['warmup']}; GPT of {params / 1e6:.1f}M parameters in bf16 on "
             f"{world_size} Gloo ranks (1 thread each), batch {s['batch']} x {s['seq']}, median of "
-            f"{s['rounds']} x {s['steps']} steps after {s['step_warmup']}; {report['seconds']:.0f} s in all")
+            f"{s['rounds']} x {s['steps']} steps after {s['step_warmup']}; {report['seconds']:.0f} s in all; load average "
+            f"{load_before:.1f} before, {report['load_average'][1]:.1f} after")
     text = (f"{note}\n\n{throughput_table(throughput, s['sizes'])}\n\n{steps_table(steps)}\n\n"
             "MB = 1e6 bytes, the rank holding most (in parentheses: model_state.offloaded_state_bytes).")
     if args.json:

@@ -1,7 +1,8 @@
 """One GPU, world size 1: tokens/s and peak memory of a ~1B-parameter GPT in bf16 (sequence
-2048) trained by plain single-GPU PyTorch, zeroshard stages 0-3 and FSDP2 (fully_shard).
+2048) trained by plain single-GPU PyTorch, zeroshard stages 0-3, FSDP2 (fully_shard), and zeroshard
+stages 2 and 3 with ZeRO-Offload (last, so that a short --budget skips them first).
 
-    python benchmarks/bench_gpu.py                          # cuda:0, 6 rows, ~2-3 minutes on an H200
+    python benchmarks/bench_gpu.py                          # cuda:0, 8 rows, ~3-4 minutes on an H200
     python benchmarks/bench_gpu.py --tiny --device cpu      # the same code path on a tiny model, Gloo, CPU
     python benchmarks/bench_gpu.py --rows plain,zeroshard-stage3,fsdp2 --json out.json --markdown out.md
 
@@ -31,9 +32,10 @@ sys.path.insert(0, str(HERE))
 from gpt import GPT, token_batch  # noqa: E402
 from model_state import param_numel, persistent_numel  # noqa: E402
 from ranks import free_port, init_group  # noqa: E402
-from steps import Recipe, fused_adamw_works, make_step, state_formula  # noqa: E402
+from steps import Recipe, fused_adamw_works, make_step, offload_formula, state_formula  # noqa: E402
 
-ROWS = ("plain", "zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "fsdp2")
+ROWS = ("plain", "zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "fsdp2",
+        "zeroshard-stage2-offload", "zeroshard-stage3-offload")
 OPTIONAL_ROWS = ("plain-autocast",)
 GiB = 2**30
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -51,8 +53,12 @@ def _sizes(s):
 
 
 # Each row's step (steps.py): bf16 compute, fp32 AdamW state.
+# The offload rows: the optimizer state in host memory (offload_optimizer "cpu", pinned), at
+# stage 3 the parameter shards too (offload_param), DeepSpeed's usual pairing there.
 STEP_OF_ROW = {"plain": "plain-bf16", "plain-autocast": "plain-autocast", "fsdp2": "fsdp2-bf16",
-               **{f"zeroshard-stage{k}": f"zeroshard-stage{k}-bf16" for k in range(4)}}
+               **{f"zeroshard-stage{k}": f"zeroshard-stage{k}-bf16" for k in range(4)},
+               "zeroshard-stage2-offload": "zeroshard-stage2-offload-bf16",
+               "zeroshard-stage3-offload": "zeroshard-stage3-offload+param-bf16"}
 
 
 def _recipe(model, s, device):
@@ -99,10 +105,14 @@ def run_row(row, s):
         losses.append(step(tokens).detach())
     sync()
     elapsed = time.perf_counter() - started
+    memory = step.memory()
+    # Model state on the device (what the peak is compared with), and zeroshard's bytes in host
+    # memory (ZeRO-Offload's; 0 in the other rows, unknown for the torch rows).
     result = dict(row=row, optimizer=step.optimizer_name, num_params=num_params, kept_params=kept,
                   losses=[float(x) for x in losses], seconds=elapsed,
                   tokens_per_second=s["steps"] * s["batch"] * s["seq"] / elapsed,
-                  model_state_bytes=int(step.memory()["total"]))
+                  model_state_bytes=int(memory.get("device", memory["total"])),
+                  host_state_bytes=memory.get("host"))
     if cuda:
         result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                       peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
@@ -185,8 +195,17 @@ def report(results, s, rows):
         speed = r["tokens_per_second"] / plain["tokens_per_second"] if plain else None
         step_ms = 1000 * r["seconds"] / s["steps"]
         state_ratio = r["model_state_bytes"] / formula
+        state = f"{_size(r['model_state_bytes'])} ({state_ratio:.4f})"
+        if "offload" in name:  # and in host memory: its own formula, held the same way
+            host = sum(v for k, v in offload_formula(STEP_OF_ROW[name], r["num_params"], 1, r["kept_params"]).items()
+                       if k.startswith("host_"))
+            host_ratio = r["host_state_bytes"] / host
+            state += f" + host {_size(r['host_state_bytes'])} ({host_ratio:.4f})"
+            if abs(host_ratio - 1) > 0.005:
+                problems.append(f"{name}: host model state {r['host_state_bytes']:,} bytes is {host_ratio:.4f} x "
+                                f"its formula ({host:,})")
         lines.append(f"| {name} | {r['tokens_per_second']:,.0f} | {_fmt(speed, '.3f')} | {step_ms:.0f} | "
-                     f"{_size(peak)} | {_size(r['model_state_bytes'])} ({state_ratio:.4f}) | "
+                     f"{_size(peak)} | {state} | "
                      f"{_fmt(mem_ratio, '.3f')} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
         if abs(state_ratio - 1) > 0.005:  # padding and 4-byte AdamW step tensors are far below this
             problems.append(f"{name}: model state {r['model_state_bytes']:,} bytes is {state_ratio:.4f} x its "
@@ -197,7 +216,7 @@ def report(results, s, rows):
             problems.append(f"{name}: first loss {r['losses'][0]:.4f} differs from plain's {plain['losses'][0]:.4f} "
                             "(same weights and batch: they should agree to bf16 rounding)")
         if name.startswith("zeroshard") and mem_ratio is not None:
-            checks.append((f"{name} peak within 5% of 16 B/param + activations", mem_ratio, mem_ratio <= 1.05))
+            checks.append((f"{name} peak within 5% of its formula + activations", mem_ratio, mem_ratio <= 1.05))
     s3, fsdp2 = ok.get("zeroshard-stage3"), ok.get("fsdp2")
     if s3 and plain:
         ratio = s3["tokens_per_second"] / plain["tokens_per_second"]
@@ -211,6 +230,11 @@ def report(results, s, rows):
     else:
         lines.append(s["params_note"])
     lines += [f"- target {'met' if good else 'MISSED'}: {what}: {value:.3f}" for what, value, good in checks]
+    for stage in (2, 3):  # what offload costs in speed (no target: that is what the row is for)
+        on, off = ok.get(f"zeroshard-stage{stage}-offload"), ok.get(f"zeroshard-stage{stage}")
+        if on and off:
+            ratio = on["tokens_per_second"] / off["tokens_per_second"]
+            lines.append(f"- zeroshard-stage{stage}-offload tokens/s: {ratio:.3f} × zeroshard-stage{stage}'s")
     return "\n".join(lines), problems
 
 
@@ -262,7 +286,8 @@ def main():
         s["batch"], batch_note = 2, "batch 2 (CPU)"
     s["params_note"] = (f"Model: GPT {s['layers']} x {s['dim']} (heads {s['heads']}, MLP {s['hidden']}, vocab "
                         f"{s['vocab']}, sequence {s['seq']}), {s['num_params'] / 1e6:,.1f}M parameters. Model state "
-                        "formula: 16 bytes per parameter (+2 per kept parameter at stage 3).")
+                        "formula: 16 bytes per parameter (+2 per kept parameter at stage 3); offload rows: the "
+                        "device's bytes, and after + those in host memory (steps.offload_formula).")
     print(f"bench_gpu: torch {torch.__version__} (CUDA {torch.version.cuda}), device {args.device}, world size 1; "
           f"{s['params_note']} {batch_note}; {s['warmup']} warm-up + {s['steps']} timed steps per row", flush=True)
 

@@ -1,11 +1,11 @@
 """One training step of each benchmarked setup, and what each should hold in model state.
 
 Every benchmark that trains goes through make_step(name, model, recipe): zeroshard at stages
-0-3, DDP + AdamW, DDP + ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard), each in fp32
-(bench_stages.py) or bf16 mixed precision (bench_bf16.py, bench_gpu.py), and the single-process
-recipes bench_gpu.py compares with. A step is called with a batch of tokens and returns the loss;
-memory() reports the model state it holds. state_formula(name, ...) says what that should be, in
-model_state.py's terms.
+0-3 (also with ZeRO-Offload: bench_offload.py, bench_gpu.py), DDP + AdamW, DDP +
+ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard), each in fp32 (bench_stages.py) or bf16 mixed
+precision (bench_bf16.py, bench_gpu.py), and the single-process recipes bench_gpu.py compares with.
+A step is called with a batch of tokens and returns the loss; memory() reports the model state it
+holds. state_formula(name, ...) says what that should be, in model_state.py's terms.
 """
 
 import contextlib
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gpt import next_token_loss
-from model_state import ELEMENT_BYTES, bytes_per_param, model_state_bytes
+from model_state import ELEMENT_BYTES, SHARDED, bytes_per_param, model_state_bytes, offloaded_state_bytes
 
 FP32_CONFIGS = ("zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "ddp",
                 "ddp+zero-redundancy", "fsdp2")
@@ -25,6 +25,10 @@ BF16_CONFIGS = ("zeroshard-stage0-bf16", "zeroshard-stage1-bf16", "zeroshard-sta
 # One process, no wrapper: bf16 weights with an fp32 master copy (zeroshard's recipe without the
 # engine), and fp32 weights under torch.autocast (the usual AMP recipe).
 SINGLE_PROCESS_CONFIGS = ("plain-bf16", "plain-autocast")
+# ZeRO-Offload, appended to a zeroshard config's stage (before "-bf16"): "-offload" puts the
+# optimizer state in host memory (offload_optimizer "cpu", stages 1-3), "-offload+param" the
+# stage-3 parameter shards too (offload_param "cpu"); pin_memory true for both.
+OFFLOADS = {"": (), "-offload": ("optimizer",), "-offload+param": ("optimizer", "param")}
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,14 @@ def _memory(params, grads, optimizer, comm_buffers=0):
 
 
 class ZeroshardStep(Step):
-    def __init__(self, model, stage, recipe, bf16=False):
+    """offload: what ZeRO-Offload puts in host memory, of "optimizer" and "param" (OFFLOADS)."""
+
+    def __init__(self, model, stage, recipe, bf16=False, offload=()):
         import zeroshard
 
         zero = {"stage": stage, "overlap_comm": recipe.overlap_comm}
+        for state in offload:
+            zero[f"offload_{state}"] = {"device": "cpu", "pin_memory": True}
         if recipe.bucket_elems is not None:
             zero["reduce_bucket_size"] = recipe.bucket_elems
         extras = {}
@@ -139,7 +147,8 @@ class ZeroshardStep(Step):
             config["zeroshard"] = extras
         self.engine = zeroshard.initialize(model, config)
         self.model = model
-        self.optimizer_name = "zeroshard sharded AdamW (at::_fused_adamw_)" + (", fp32 master" if bf16 else "")
+        self.optimizer_name = ("zeroshard sharded AdamW (at::_fused_adamw_" + (" on the host)" if offload else ")")
+                               + (", fp32 master" if bf16 else ""))
 
     def __call__(self, tokens):
         loss = next_token_loss(self.engine(tokens[:, :-1]), tokens)
@@ -153,8 +162,10 @@ class ZeroshardStep(Step):
         m = self.engine.memory_stats()
         # gathered_peak: the most gathered full-parameter bytes alive at once during the last
         # step (stage 3 only; below it every parameter is always whole). Not part of the total.
+        # total is every place's; host and device split it (ZeRO-Offload puts states on the host).
         return dict(params=m["params"], grads=m["grads"], optimizer=m["optimizer"], comm_buffers=0,
-                    total=m["total"], gathered_peak=m["gathered_peak"] if self.engine.stage == 3 else None)
+                    total=m["total"], host=m["host_total"], device=m["device_total"],
+                    gathered_peak=m["gathered_peak"] if self.engine.stage == 3 else None)
 
     def extras(self):
         return {"comm_stats": self.engine.comm_stats(), "memory_stats": self.engine.memory_stats()}
@@ -295,13 +306,30 @@ class MasterWeightsStep(Step):
                        _nbytes(self.master) + _optimizer_state_bytes(self.optimizer.state))
 
 
+def _zeroshard_config(name):
+    """(stage, precision, offload) of a zeroshard config name: "zeroshard-stage<k>", then one of
+    OFFLOADS' suffixes, then "-bf16" or nothing (fp32)."""
+    bf16 = name.endswith("-bf16")
+    base = name[:-len("-bf16")] if bf16 else name
+    prefix = "zeroshard-stage"
+    offload = OFFLOADS.get(base[len(prefix) + 1:])
+    if not base.startswith(prefix) or not base[len(prefix):len(prefix) + 1].isdigit() or offload is None:
+        raise ValueError(f"unknown zeroshard config {name!r}: expected zeroshard-stage<0-3>, then one of "
+                         f"{', '.join(repr(k) for k in OFFLOADS)}, then '-bf16' or nothing")
+    stage = int(base[len(prefix)])
+    if (offload and stage == 0) or ("param" in offload and stage != 3):
+        raise ValueError(f"config {name!r}: the optimizer is offloaded at stages 1-3, the parameters at stage 3 only")
+    return stage, "bf16" if bf16 else "fp32", offload
+
+
 def make_step(name, model, recipe):
-    """The step of config `name` (FP32_CONFIGS, BF16_CONFIGS or SINGLE_PROCESS_CONFIGS)
-    around `model`."""
+    """The step of config `name` (FP32_CONFIGS, BF16_CONFIGS or SINGLE_PROCESS_CONFIGS, or a
+    zeroshard one with an OFFLOADS suffix) around `model`."""
     bf16 = name.endswith("-bf16")
     base = name[:-len("-bf16")] if bf16 else name
     if base.startswith("zeroshard-stage"):
-        return ZeroshardStep(model, int(base[-1]), recipe, bf16=bf16)
+        stage, _precision, offload = _zeroshard_config(name)
+        return ZeroshardStep(model, stage, recipe, bf16=bf16, offload=offload)
     if base == "fsdp2":
         return FSDP2Step(model, recipe, bf16=bf16)
     if base in ("ddp", "ddp+zero-redundancy", "ddp-autocast"):
@@ -321,15 +349,48 @@ _STATE_AS_ZERO = {"ddp": (0, "fp32", True), "ddp+zero-redundancy": (1, "fp32", T
                   "plain-bf16": (0, "bf16", False), "plain-autocast": (0, "fp32", False)}
 
 
+def offload_formula(name, elements, world_size, kept_params=0):
+    """memory_stats()'s bytes by place (model_state.offloaded_state_bytes: host_params, ...,
+    device_optimizer) of zeroshard config `name` with ZeRO-Offload, for `elements` (padded, or a
+    parameter count for the estimate without padding), kept_params of them whole beside their
+    shards at stage 3: those copies stay on the device, wherever the shards are."""
+    stage, precision, offload = _zeroshard_config(name)
+    assert offload, f"{name} offloads nothing"
+    state = offloaded_state_bytes(stage, world_size, elements, precision, optimizer="optimizer" in offload,
+                                  params="param" in offload)
+    state["device_params"] += ELEMENT_BYTES[precision]["params"] * kept_params
+    return state
+
+
+def _offload_text(name, world_size, kept_params):
+    """offload_formula per parameter as text: "2 + 2/2 on the device, 16/2 on the host"."""
+    stage, precision, offload = _zeroshard_config(name)
+    per = offloaded_state_bytes(stage, 1, 1, precision, optimizer="optimizer" in offload, params="param" in offload)
+
+    # The host holds shards only (of the optimizer state, the fp32 gradients, the parameters).
+    whole = sum(per[f"device_{k}"] for k in ELEMENT_BYTES[precision] if k not in SHARDED[stage])
+    split = sum(per[f"device_{k}"] for k in ELEMENT_BYTES[precision] if k in SHARDED[stage])
+    device = " + ".join(([str(whole)] if whole else []) + ([f"{split}/{world_size}"] if split else [])) or "0"
+    text = f"{device} on the device, {sum(per[f'host_{k}'] for k in ELEMENT_BYTES[precision])}/{world_size} on the host"
+    if stage == 3:
+        text += f", + {ELEMENT_BYTES[precision]['params']} for {kept_params:,} kept"
+    return text
+
+
 def state_formula(name, num_params, world_size, kept_params=0):
     """(bytes per parameter as text, bytes) of model state that config `name` holds per rank
     for num_params parameters, kept_params of them below zeroshard stage 3's persistence
-    threshold. DDP's buckets are as large as the gradients (gradient_as_bucket_view=False, its
+    threshold; with ZeRO-Offload, the bytes on the compute device only (offload_formula has both
+    places). DDP's buckets are as large as the gradients (gradient_as_bucket_view=False, its
     default); FSDP2 keeps no gathered copy between steps; DDP under autocast and FSDP2 with a
     MixedPrecisionPolicy keep fp32 parameters, gradients and AdamW state, the bf16 copies being
     transient."""
     if name.startswith("zeroshard-stage"):
-        stage, precision = int(name[len("zeroshard-stage")]), "bf16" if name.endswith("-bf16") else "fp32"
+        stage, precision, offload = _zeroshard_config(name)
+        if offload:
+            state = offload_formula(name, num_params, world_size, kept_params if stage == 3 else 0)
+            return _offload_text(name, world_size, kept_params), sum(v for k, v in state.items()
+                                                                      if k.startswith("device_"))
         kept = kept_params if stage == 3 else None
         state = model_state_bytes(stage, world_size, num_params, precision, persistent=kept or 0)
         return bytes_per_param(stage, world_size, precision, kept), sum(state.values())

@@ -13,6 +13,8 @@ values and gradients for every implementation:
                            their sum; timed: engine.step() after a backward (the wait for the
                            gradients' host copy, the fused AdamW on the host, the copy back into
                            the parameters and their all-gather, bucket by bucket), as it is
+  ..., no offload          the same engine and step with the optimizer on the (CPU) device: what
+                           the engine's step costs anyway (the all-gather, zeroing the gradients)
   torch._fused_adamw_      the ATen kernel that step calls, on the same 4 tensors, nothing else
   AdamW(fused=True)        torch.optim.AdamW(fused=True), and (foreach=True) another peer
   DeepSpeedCPUAdam         deepspeed.ops.adam's, whose C++ op is JIT-built with ninja first (within
@@ -50,9 +52,9 @@ from steps import Recipe, make_step, offload_formula  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 CHUNKS = 4
-PEERS = ("zeroshard engine.step()", "torch._fused_adamw_", "AdamW(fused=True)", "AdamW(foreach=True)",
-         "DeepSpeedCPUAdam")
-KERNEL, DEEPSPEED = PEERS[1], PEERS[4]
+PEERS = ("zeroshard engine.step()", "zeroshard engine.step(), no offload", "torch._fused_adamw_", "AdamW(fused=True)",
+         "AdamW(foreach=True)", "DeepSpeedCPUAdam")
+ENGINE, ENGINE_PLAIN, KERNEL, DEEPSPEED = PEERS[0], PEERS[1], PEERS[2], PEERS[5]
 # Each step-time config, and the config without offload it is compared with.
 CONFIGS = {"zeroshard-stage2-bf16": None, "zeroshard-stage2-offload-bf16": "zeroshard-stage2-bf16",
            "zeroshard-stage3-bf16": None, "zeroshard-stage3-offload-bf16": "zeroshard-stage3-bf16",
@@ -88,7 +90,7 @@ def _grad_value(i):
     return 1.0 + 0.125 * i  # exact in fp32: every implementation sees the same gradients
 
 
-def _zeroshard(numel, total):
+def _zeroshard(numel, total, offload=True):
     import zeroshard
 
     model = FlatChunks(_initial(numel))
@@ -96,7 +98,7 @@ def _zeroshard(numel, total):
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": adamw},
               "zero_optimization": {"stage": 1, "reduce_bucket_size": numel // CHUNKS,
-                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+                                    "offload_optimizer": {"device": "cpu" if offload else "none", "pin_memory": True}}}
     engine = zeroshard.initialize(model, config)
     seconds = []
     for i in range(total):
@@ -153,10 +155,11 @@ def throughput_rank(rank, world_size, sizes, warmup, reps, threads, deepspeed_er
     others' are compared with (max abs difference; 0.0 for the same arithmetic)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)  # DeepSpeed's op runs its own OpenMP threads
     torch.set_num_threads(threads)
-    runs = {PEERS[0]: _zeroshard, KERNEL: _kernel,
-            PEERS[2]: _optimizer(lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                                             fused=True)),
+    runs = {ENGINE: _zeroshard, ENGINE_PLAIN: lambda numel, total: _zeroshard(numel, total, offload=False),
+            KERNEL: _kernel,
             PEERS[3]: _optimizer(lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                                             fused=True)),
+            PEERS[4]: _optimizer(lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                                              foreach=True)),
             DEEPSPEED: _optimizer(_deepspeed_adam)}
     rows = []

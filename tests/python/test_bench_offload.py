@@ -48,7 +48,7 @@ def test_offload_benchmark_measures_the_offloaded_paths(tmp_path):
         assert len(r["seconds"]) == s["reps"] and min(r["seconds"]) > 0, peer
         assert r["elements_per_second"] == numel / r["median_seconds"] > 0, peer
         assert r["threads"] == report["threads"] >= 1
-        if peer in ("zeroshard engine.step()", "AdamW(fused=True)"):
+        if peer in ("zeroshard engine.step()", "zeroshard engine.step(), no offload", "AdamW(fused=True)"):
             assert r["max_abs_diff_vs_kernel"] == 0.0, peer  # at::_fused_adamw_, the same arithmetic
     for numel in s["sizes"]:
         memory = rows[("zeroshard engine.step()", numel)]["memory"]

@@ -159,6 +159,40 @@ void gatherValues(Communicator& comm) {
   }
 }
 
+// Hybrid sharding's groups (4 ranks as 2 shard groups of 2): an all-reduce in the shard group
+// sums its two consecutive ranks only, one in the replicate group the ranks at the same position
+// of each shard group, and an all-gather in each delivers the members in group-rank order.
+void subgroups(Communicator& world) {
+  const int rank = world.rank();
+  const auto ranks = zeroshard::hybridRanks(rank, world.worldSize(), 2);
+  Communicator shard(zeroshard::makeSubgroup(world.group(), ranks.shard, "test/shard/" + std::to_string(ranks.shard[0]),
+                                             world.timeout()),
+                     world.timeout());
+  Communicator replicate(zeroshard::makeSubgroup(world.group(), ranks.replicate,
+                                                 "test/replicate/" + std::to_string(ranks.replicate[0]), world.timeout()),
+                         world.timeout());
+  TORCH_CHECK(shard.worldSize() == 2 && shard.rank() == rank % 2, "shard group: rank ", shard.rank(), " of ",
+              shard.worldSize());
+  TORCH_CHECK(replicate.worldSize() == world.worldSize() / 2 && replicate.rank() == rank / 2, "replicate group: rank ",
+              replicate.rank(), " of ", replicate.worldSize());
+  auto sum = at::full({3}, static_cast<double>(rank));
+  shard.allReduce(sum).wait();
+  expectEqual(sum, at::full({3}, static_cast<double>(ranks.shard[0] + ranks.shard[1])), "shard-group all_reduce");
+  auto across = at::full({2}, static_cast<double>(rank));
+  replicate.allReduce(across).wait();
+  double expected = 0;
+  for (int r : ranks.replicate) expected += r;
+  expectEqual(across, at::full({2}, expected), "replicate-group all_reduce");
+  auto gathered = at::empty({static_cast<int64_t>(ranks.replicate.size())});
+  replicate.allGather(at::full({1}, static_cast<double>(rank)), gathered).wait();
+  std::vector<float> members(ranks.replicate.begin(), ranks.replicate.end());
+  expectEqual(gathered, at::tensor(members), "replicate-group all_gather");
+  // The world group still spans every rank.
+  auto everyone = at::ones({1});
+  world.allReduce(everyone).wait();
+  expectEqual(everyone, at::full({1}, static_cast<double>(world.worldSize())), "world all_reduce");
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -167,9 +201,10 @@ int main(int argc, char** argv) {
       {"dead_peer", {deadPeer, 60000}},
       {"gather_values", {gatherValues, 60000}},
       {"stalled_peer", {stalledPeer, 2000}},
+      {"subgroups", {subgroups, 60000}},
   };
   if (argc != 2 || !scenarios.count(argv[1])) {
-    std::cerr << "usage: zeroshard_test_worker collectives|dead_peer|gather_values|stalled_peer\n";
+    std::cerr << "usage: zeroshard_test_worker collectives|dead_peer|gather_values|stalled_peer|subgroups\n";
     return 2;
   }
   try {

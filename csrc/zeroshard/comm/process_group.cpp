@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -119,6 +120,49 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
                     "Rebuild against a CUDA build of torch.");
   }
 #endif
+  return group;
+}
+
+HybridRanks hybridRanks(int rank, int worldSize, int shardGroupSize) {
+  TORCH_CHECK(shardGroupSize >= 1 && worldSize % shardGroupSize == 0, "zeroshard: a shard group of ",
+              shardGroupSize, " ranks does not divide the world of ", worldSize,
+              " ranks; use a size that divides it (the ranks of one node, LOCAL_WORLD_SIZE, usually)");
+  TORCH_CHECK(rank >= 0 && rank < worldSize, "zeroshard: rank ", rank, " is not in a world of ", worldSize);
+  HybridRanks out;
+  const int first = rank / shardGroupSize * shardGroupSize;
+  for (int r = first; r < first + shardGroupSize; ++r) out.shard.push_back(r);
+  for (int r = rank % shardGroupSize; r < worldSize; r += shardGroupSize) out.replicate.push_back(r);
+  return out;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> makeSubgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& world,
+                                                    const std::vector<int>& ranks, const std::string& name,
+                                                    std::chrono::milliseconds timeout) {
+  const auto at = std::find(ranks.begin(), ranks.end(), world->getRank());
+  TORCH_CHECK(at != ranks.end() && std::is_sorted(ranks.begin(), ranks.end()), "zeroshard: subgroup '", name,
+              "' must list this rank (", world->getRank(), ") among sorted ranks");
+  const auto store = world->getStore();
+  TORCH_CHECK(store, "zeroshard: subgroup '", name, "': the world group has no store to meet through");
+  const int rank = static_cast<int>(at - ranks.begin());
+  const int size = static_cast<int>(ranks.size());
+  auto groupStore = c10::make_intrusive<c10d::PrefixStore>("zeroshard/" + name, store);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(groupStore, rank, size);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", groupStore),
+                                                          rank, size,
+                                                          c10d::ProcessGroupGloo::Options::create_default(timeout));
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+#ifdef ZEROSHARD_WITH_NCCL
+  if (world->getBackendType() == c10d::ProcessGroup::BackendType::NCCL) {
+    auto ncclOptions = c10d::ProcessGroupNCCL::Options::create();
+    ncclOptions->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        c10::make_intrusive<c10d::PrefixStore>("nccl", groupStore), rank, size, ncclOptions);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  }
+#endif
+  group->setGroupName(name);
   return group;
 }
 

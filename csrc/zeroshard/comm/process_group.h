@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class ProcessGroup;
@@ -42,5 +43,24 @@ DeviceChoice chooseDevice(int localRank, int localWorldSize, int visibleGpus);
 // tensors on device LOCAL_RANK. Blocks until every rank has joined or `timeout` passes.
 c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(
     std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+// Hybrid sharding's two groups for this rank of `world` (issue 17): the world splits into shard
+// groups of `shardGroupSize` consecutive ranks (a node when it is LOCAL_WORLD_SIZE); a rank's
+// replicate group is the ranks at its own position in every shard group. E.g. 4 ranks in
+// groups of 2: rank 3's shard group is {2, 3}, its replicate group {1, 3}.
+struct HybridRanks {
+  std::vector<int> shard;
+  std::vector<int> replicate;
+};
+// Throws when shardGroupSize does not divide the world size, naming both.
+HybridRanks hybridRanks(int rank, int worldSize, int shardGroupSize);
+
+// A c10d subgroup of `world` over `ranks` (sorted, holding world's rank), with world's kind of
+// backends (Gloo for CPU tensors; NCCL too when world's default is NCCL) and collectives bounded
+// by `timeout`. Only the members call it; they rendezvous through world's store under `name`,
+// which must be the same on every member and differ between the subgroups of one world.
+c10::intrusive_ptr<c10d::ProcessGroup> makeSubgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& world,
+                                                    const std::vector<int>& ranks, const std::string& name,
+                                                    std::chrono::milliseconds timeout);
 
 } // namespace zeroshard

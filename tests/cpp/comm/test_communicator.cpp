@@ -2,6 +2,7 @@
 // zeroshard_test_worker (tests/cpp/worker_main.cpp) and bounds them with a deadline.
 #include "catch.h"
 
+#include "error_text.h"
 #include "spawn_ranks.h"
 #include "zeroshard/comm/process_group.h"
 
@@ -9,6 +10,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 using zeroshard::testing::describeFailures;
 using zeroshard::testing::spawnRanks;
@@ -27,6 +29,27 @@ TEST_CASE("values and text of different lengths from every rank arrive whole and
     INFO("world size " << world << "\n" << describeFailures(outcomes));
     CHECK(describeFailures(outcomes).empty());
   }
+}
+
+TEST_CASE("hybrid sharding's shard and replicate subgroups reduce and gather over their members only",
+          "[communicator][hybrid]") {
+  auto outcomes = spawnRanks(ZEROSHARD_TEST_WORKER, "subgroups", 4);
+  INFO(describeFailures(outcomes));
+  REQUIRE(describeFailures(outcomes).empty());
+}
+
+TEST_CASE("hybridRanks splits the world into consecutive shard groups and strided replicate groups",
+          "[communicator][hybrid]") {
+  const auto r3 = zeroshard::hybridRanks(3, 4, 2);
+  CHECK(r3.shard == std::vector<int>{2, 3});
+  CHECK(r3.replicate == std::vector<int>{1, 3});
+  const auto r5 = zeroshard::hybridRanks(5, 8, 4);
+  CHECK(r5.shard == std::vector<int>{4, 5, 6, 7});
+  CHECK(r5.replicate == std::vector<int>{1, 5});
+  CHECK(zeroshard::hybridRanks(2, 4, 4).replicate == std::vector<int>{2});
+  CHECK(zeroshard::hybridRanks(2, 4, 1).shard == std::vector<int>{2});
+  CHECK(zeroshard::testing::contains(zeroshard::testing::errorText([] { zeroshard::hybridRanks(0, 6, 4); }),
+                                     "a shard group of 4 ranks does not divide the world of 6 ranks"));
 }
 
 TEST_CASE("a dead peer makes the collective fail with its name instead of hanging", "[communicator]") {

@@ -170,7 +170,7 @@ void bindConfig(py::module_& m) {
       .def_property_readonly("stage", [](const Config& c) { return c.zero.stage; })
       // The plan's question, so that Python asks it rather than compare stage numbers.
       .def_property_readonly("params_sharded",
-                             [](const Config& c) { return ShardingPlan::fromConfig(c, 1).paramsSharded(); })
+                             [](const Config& c) { return ShardingPlan::forStage(c.zero.stage, 1).paramsSharded(); })
       .def_property_readonly("bf16_enabled", [](const Config& c) { return c.bf16.enabled; })
       .def_property_readonly("fp16_enabled", [](const Config& c) { return c.fp16.enabled; })
       .def_property_readonly("fp16", part(&Config::fp16), internal)

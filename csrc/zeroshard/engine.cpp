@@ -2,10 +2,12 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/comm/process_group.h"
 #include "zeroshard/config/auto_values.h"
 #include "zeroshard/grad/grad_reducer.h"
 #include "zeroshard/grad/grad_storage.h"
@@ -14,6 +16,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <thread>
 
 namespace zeroshard {
 namespace {
@@ -47,6 +51,18 @@ Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups
 }
 
 
+// The ranks of one node: torchrun's LOCAL_WORLD_SIZE, else the world (one machine).
+int localWorldSize(int worldSize) {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  if (local == nullptr || *local == '\0') return worldSize;
+  try {
+    return std::stoi(local);
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "zeroshard: LOCAL_WORLD_SIZE=\"", local, "\" is not a whole number");
+  }
+  return worldSize;
+}
+
 // Whether the parameters are on the meta device: all of them, or none (the engine then
 // allocates on MetaInit::device).
 bool onMeta(const std::vector<ParamGroupSpec>& groups) {
@@ -75,26 +91,29 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     : config_(withAutoResolved(std::move(config), groups, *processGroup)),
       comm_(std::move(processGroup), timeoutOf(config_)),
       plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(),
-                                     onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups))),
+                                     onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups),
+                                     localWorldSize(comm_.worldSize()))),
       stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
                [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
   checkParamGroups(groups);
+  makeHybridGroups();
+  const int shardRank = shardComm().rank();
+  const int shards = shardComm().worldSize();
   const std::optional<at::Device> metaDevice = onMeta(groups) ? std::optional(init.device) : std::nullopt;
   std::vector<UnitPolicy> policies;
   if (plan_.paramsSharded()) {
     auto built = buildStage3Units(groups, std::move(units),
                                   {config_.zero.stage3ParamPersistenceThreshold, config_.extras.reshardAfterForward},
-                                  comm_.rank(), comm_.worldSize(), computeDtype_, metaDevice);
+                                  shardRank, shards, computeDtype_, metaDevice);
     buckets_ = std::move(built.buckets);
     policies = std::move(built.policies);
     specToUnit_ = std::move(built.unitOf);
     unitInfos_ = std::move(built.infos);
   } else {
-    buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, comm_.rank(), comm_.worldSize(), computeDtype_,
-                                 metaDevice);
+    buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, shardRank, shards, computeDtype_, metaDevice);
   }
 
   if (metaDevice) {
@@ -103,7 +122,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     if (!plan_.paramsSharded()) {
       for (auto& b : buckets_) b.allocateZeroed();
     }
-    masters_.emplace(MasterWeights::allocated(buckets_, plan_.optimizerSharded(), comm_.rank()));
+    masters_.emplace(MasterWeights::allocated(buckets_, plan_.optimizerSharded(), shardRank));
   } else {
     // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
     // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
@@ -116,28 +135,36 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
 
   for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
   initSchedule();
-  if (!metaDevice && plan_.optimizerSharded()) masters_->shard(buckets_, comm_.rank());
+  if (!metaDevice && plan_.optimizerSharded()) masters_->shard(buckets_, shardRank);
   if (plan_.paramsSharded()) {
-    auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), comm_,
+    auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), shardComm(),
                                                  config_.zero.stage3PrefetchBucketSize,
                                                  config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
                                                  plan_.pinParams());
     units_ = units.get();
     params_ = std::move(units);
   } else {
-    params_ = std::make_unique<ReplicatedParams>(buckets_, comm_, plan_.optimizerSharded(),
+    params_ = std::make_unique<ReplicatedParams>(buckets_, shardComm(), plan_.optimizerSharded(),
                                                  config_.zero.allgatherBucketSize);
   }
   // Offload (docs/offload.md): the masters move once the parameter storage holds its shards.
   if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) {
+    // torchrun sets OMP_NUM_THREADS=1, which would run the host AdamW on one core.
+    if (plan_.anyOptimizerOnHost(buckets_.size()) && comm_.rank() == 0 && at::get_num_threads() == 1 &&
+        std::thread::hardware_concurrency() > 1) {
+      TORCH_WARN("zeroshard: the offloaded optimizer steps on the host with torch's intra-op threads, and there is "
+                 "1 (torchrun sets OMP_NUM_THREADS=1); call torch.set_num_threads(n) (C++: at::set_num_threads) "
+                 "with this rank's share of the host's cores");
+    }
     masters_->offload(buckets_, plan_.optimizerOnHostByBucket(buckets_.size()), plan_.paramsOnHost(),
                       plan_.pinOptimizer());
   }
   // Before the gradient hooks: pointing a parameter at a scratch tensor of another dtype resets
   // its gradient accumulator.
   if (metaDevice) initFromMeta(init);
-  grads_ = GradStorage::forPlan(plan_, buckets_, comm_.rank(),
-                                {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"});
+  grads_ = GradStorage::forPlan(plan_, buckets_, shardRank,
+                                {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"},
+                                replicateGroup_ ? &*replicateGroup_ : nullptr);
   registerShards();
   ReductionOptions reduction;
   // fp16 gradients are divided by the world size before they are summed, so the sum of many
@@ -147,14 +174,47 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   reduction.overlap = config_.zero.overlapCommResolved();
   reduction.maxInFlight = config_.extras.maxInflightReductions;
   if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterGradReduce(UnitIndex{bucket}); };
-  reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, comm_, std::move(reduction));
+  reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
+  resetStepStats();
+}
+
+// Note [hybrid groups]: every rank makes its shard group, then its replicate group; the members
+// of each meet through the world's store under the group's name, so no rank waits on a group it
+// is not in, and the order is the same everywhere.
+// Engines made one after another in one process get groups of their own: the names carry a
+// count of hybrid engines made here, which is the same on every rank (every rank makes the same
+// engines in the same order).
+void Engine::makeHybridGroups() {
+  if (!plan_.hybrid()) return;
+  static int made = 0;
+  const std::string prefix = "engine" + std::to_string(made++) + "/";
+  const auto ranks = hybridRanks(comm_.rank(), comm_.worldSize(), plan_.shardGroupSize());
+  shardGroup_.emplace(makeSubgroup(comm_.group(), ranks.shard, prefix + "shard/" + std::to_string(ranks.shard.front()),
+                                   comm_.timeout()),
+                      comm_.timeout());
+  replicateGroup_.emplace(makeSubgroup(comm_.group(), ranks.replicate,
+                                       prefix + "replicate/" + std::to_string(ranks.replicate.front()),
+                                       comm_.timeout()),
+                          comm_.timeout());
+}
+
+CommStats Engine::stepStats() const {
+  CommStats stats = comm_.stats();
+  if (shardGroup_) stats.add(shardGroup_->stats());
+  if (replicateGroup_) stats.add(replicateGroup_->stats());
+  return stats;
+}
+
+void Engine::resetStepStats() {
   comm_.resetStats();
+  if (shardGroup_) shardGroup_->resetStats();
+  if (replicateGroup_) replicateGroup_->resetStats();
 }
 
 void Engine::registerShards() {
   for (size_t i = 0; i < buckets_.size(); ++i) {
     slots_.push_back(registerBucket(optimizer_, buckets_[i], masters_->of(buckets_[i], i), grads_->optimizerGrad(i),
-                                    /*splitByGroup=*/plan_.paramsSharded(), comm_.rank()));
+                                    /*splitByGroup=*/plan_.paramsSharded(), shardComm().rank()));
   }
 }
 
@@ -207,6 +267,11 @@ bool Engine::step() {
 
 bool Engine::takeStep() {
   grads_->finishCopies();
+  // Note [host writes after device reads]: the host step writes pinned host buffers (masters,
+  // stage-3 host shards) that asynchronous copies queued on the device may still be reading
+  // (the last step's copy back, a gather's host-to-device copy). Waiting for the device here
+  // costs little: the host step needs the gradients, which come after that work anyway.
+  if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) syncComputeDevice();
   optimizer_.prepareGrads();
   if (scaler_) {
     const bool overflow = overflowed();
@@ -253,14 +318,14 @@ bool Engine::overflowed() {
   auto found = optimizer_.unscaleAndFindNonFinite(1.0 / scaler_->scale(), buckets_.front().flatParams().device());
   // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
   // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
-  if (plan_.optimizerSharded()) comm_.allReduce(found).wait();
+  if (plan_.optimizerSharded()) shardComm().allReduce(found).wait();
   return found.item<float>() > 0;
 }
 
 void Engine::finishStep() {
   zeroGrads();
-  lastStepStats_ = comm_.stats();
-  comm_.resetStats();
+  lastStepStats_ = stepStats();
+  resetStepStats();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
   lastPeakGatheredBytes_ = params_->peakGatheredBytes();
@@ -272,7 +337,7 @@ void Engine::clipGradients() {
   if (maxNorm <= 0) return;
   at::Tensor squares = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
   // Each rank holds a disjoint shard of the reduced gradients.
-  if (plan_.optimizerSharded()) comm_.allReduce(squares).wait();
+  if (plan_.optimizerSharded()) shardComm().allReduce(squares).wait();
   lastGradNorm_ = squares.sqrt();
   const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
   // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
@@ -317,14 +382,17 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const 
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
   UncountedCollectives uncounted(comm_);
+  UncountedCollectives uncountedShards(shardComm());
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const auto& b = buckets_[i];
-    const at::Tensor master = masters_->of(b, i);
+    // Offloaded masters are host tensors: gathered on the compute device, as a backend for
+    // device tensors (NCCL) takes no host ones.
+    const at::Tensor master = masters_->of(b, i).to(b.flatParams().device());
     at::Tensor full = master;
     if (plan_.optimizerSharded()) {
       full = at::empty({b.layout().paddedNumel()}, master.options());
-      comm_.allGather(master, full).wait();
+      shardComm().allGather(master, full).wait();
     }
     for (const auto& place : b.layout().params()) {
       const at::Tensor view = full.narrow(0, place.offset, place.numel).view(place.shape);
@@ -349,6 +417,12 @@ CheckpointedState Engine::checkpointedState() {
           skippedSteps_, schedule_ ? &*schedule_ : nullptr};
 }
 
+void Engine::checkNotHybrid(const char* call) const {
+  TORCH_CHECK(!plan_.hybrid(), "zeroshard: ", call, " is not implemented with hybrid sharding yet (a shard group of ",
+              plan_.shardGroupSize(), " of ", comm_.worldSize(), " ranks); train without zeroshard.shard_group_size / "
+              "zero_optimization.mics_shard_size to checkpoint");
+}
+
 void Engine::checkBetweenSteps(const char* call) const {
   TORCH_CHECK(!backwardSinceStep_ && microSteps_ % batchSizes_.accumulationSteps == 0, "zeroshard: ", call,
               " must be called between optimizer steps (after an engine.step() that ended an "
@@ -358,11 +432,13 @@ void Engine::checkBetweenSteps(const char* call) const {
 std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
                                    const std::string& rankError) {
   checkBetweenSteps("save_checkpoint()");
+  checkNotHybrid("save_checkpoint()");
   return zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
 }
 
 LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
   checkBetweenSteps("load_checkpoint()");
+  checkNotHybrid("load_checkpoint()");
   auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
   params_->reshardAll();
   masters_->pushToParams(buckets_);

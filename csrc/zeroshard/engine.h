@@ -272,10 +272,21 @@ class Engine {
   void zeroGrads();
   CheckpointedState checkpointedState();
   void checkBetweenSteps(const char* call) const;
+  void checkNotHybrid(const char* call) const;
+
+  // Hybrid sharding: the world's ranks of this rank's shard group and replicate group (none when
+  // the shard group is the world: shardComm() is comm_ then).
+  Communicator& shardComm() { return shardGroup_ ? *shardGroup_ : comm_; }
+  const Communicator& shardComm() const { return shardGroup_ ? *shardGroup_ : comm_; }
+  void makeHybridGroups();
+  CommStats stepStats() const;
+  void resetStepStats();
 
   Config config_;
   Communicator comm_;
   ShardingPlan plan_;
+  std::optional<Communicator> shardGroup_;
+  std::optional<Communicator> replicateGroup_;
   StepLog stepLog_;
   at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
   std::optional<LrSchedule> schedule_;

@@ -47,6 +47,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   const ModelFileFormat format = modelFileFormatOf(filename);
   const ModelExportPlan exported = planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options);
   const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncountedShards(shardComm());
   const bool writes = comm_.rank() == 0;
   const fs::path staging = fs::path(dir) / ("." + filename + ".partial");
   const auto device = buckets_.front().flatParams().device();

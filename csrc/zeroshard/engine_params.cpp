@@ -54,7 +54,7 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     const Bucket& bucket = buckets_[w.bucket];
     const auto& place = bucket.layout().params()[w.param];
     ParamTargets::of(bucket, masters_->of(bucket, w.bucket), plan_.optimizerSharded(), plan_.paramsSharded(),
-                     comm_.rank())
+                     shardComm().rank())
         .write(w.value, {place.offset, place.offset + place.numel});
   }
 }

@@ -27,6 +27,7 @@ namespace zeroshard {
 PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, const TensorRenames& renames) {
   checkBetweenSteps("load_pretrained()");
   const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncountedShards(shardComm());
   const c10::Device device = buckets_.front().flatParams().device();
   std::unique_ptr<PretrainedFiles> files;
   PretrainedMatch match;
@@ -46,7 +47,7 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
         for (size_t b = 0; b < buckets_.size(); ++b) {
           const Bucket& bucket = buckets_[b];
           const auto targets = ParamTargets::of(bucket, masters_->of(bucket, b), plan_.optimizerSharded(),
-                                                plan_.paramsSharded(), comm_.rank());
+                                                plan_.paramsSharded(), shardComm().rank());
           const auto& params = bucket.layout().params();
           for (size_t i = 0; i < params.size(); ++i) {
             const auto* source = match.params[b][i];

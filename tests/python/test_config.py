@@ -175,6 +175,8 @@ KEY_EFFECTS = {
     "zero_optimization.offload_optimizer.pin_memory": ("field", r"offloadOptimizer\.pinMemory", False),
     "zero_optimization.offload_optimizer.ratio": ("field", r"offloadOptimizer\.ratio", 0.5),
     "zero_optimization.offload_param.pin_memory": ("field", r"offloadParam\.pinMemory", False),
+    "zero_optimization.mics_shard_size": ("field", r"extras\.shardGroupSize", 2),
+    "zeroshard.shard_group_size": ("field", r"extras\.shardGroupSize", 2),
 }
 
 # The keys marked "inert" and the key beside them that switches their feature on.

@@ -40,6 +40,13 @@ int64_t CommStats::trafficBytes() const {
       2 * (*this)[CollectiveKind::kAllReduce].bytes + (*this)[CollectiveKind::kBroadcast].bytes;
 }
 
+void CommStats::add(const CommStats& other) {
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    counts_[k].calls += other.counts_[k].calls;
+    counts_[k].bytes += other.counts_[k].bytes;
+  }
+}
+
 void CommStats::reset() {
   counts_ = {};
 }

@@ -47,6 +47,8 @@ class CommStats {
   const CollectiveCount& operator[](CollectiveKind kind) const;
   int64_t trafficBytes() const;
   void reset();
+  // Adds another communicator's counts (hybrid sharding's groups, into one step's stats).
+  void add(const CommStats& other);
 
  private:
   std::array<CollectiveCount, kNumCollectiveKinds> counts_{};

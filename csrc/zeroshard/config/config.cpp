@@ -197,6 +197,11 @@ std::string Config::toJsonString() const {
                     {"reduce_dtype", extras.reduceDtype},
                     {"checkpoint", {{"keep_last", extras.checkpointKeepLast}}},
                     {"max_inflight_reductions", extras.maxInflightReductions}};
+  if (extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
+    j["zeroshard"]["shard_group_size"] = "node";
+  } else if (extras.shardGroupSize > 0) {
+    j["zeroshard"]["shard_group_size"] = extras.shardGroupSize;
+  }
   return j.dump(2);
 }
 

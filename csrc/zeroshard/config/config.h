@@ -59,7 +59,7 @@ struct OptimizerConfig {
 };
 
 // "zero_optimization.offload_optimizer" / "offload_param" (ZeRO-Offload): "none" (DeepSpeed's
-// default) keeps the state on the compute device, "cpu" in host memory (optim/offload.h).
+// default) keeps the state on the compute device, "cpu" in host memory (docs/offload.md).
 struct OffloadConfig {
   bool toHost = false;    // device "cpu"
   bool pinMemory = true;  // page-locked host memory (DeepSpeed's default); only with a GPU
@@ -134,6 +134,11 @@ struct ZeroshardExtras {
   // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
   // one being filled exist (as FSDP2 bounds its reduce-scatter states).
   int64_t maxInflightReductions = 2;
+  // Hybrid sharding (zero_optimization.mics_shard_size, or zeroshard.shard_group_size): states
+  // are sharded over groups of this many consecutive ranks and replicated across the groups.
+  // 0 = one group of the whole world; kShardGroupNode = the ranks of one node (LOCAL_WORLD_SIZE).
+  static constexpr int64_t kShardGroupNode = -1;
+  int64_t shardGroupSize = 0;
 };
 
 struct Config {

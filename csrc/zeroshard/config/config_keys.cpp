@@ -42,7 +42,7 @@ const std::vector<ConfigSection>& allSections() {
         "stage3_max_live_parameters", "prefetch_bucket_size", "param_persistence_threshold",
         "max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
         "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-        "offload_optimizer", "offload_param", "reduce_scatter", "allgather_partitions"},
+        "offload_optimizer", "offload_param", "reduce_scatter", "allgather_partitions", "mics_shard_size"},
        {"load_from_fp32_weights", "elastic_checkpoint", "sub_group_size", "round_robin_gradients",
         "stage3_max_reuse_distance", "max_reuse_distance", "stage3_model_persistence_threshold",
         "model_persistence_threshold", "stage3_module_granularity_threshold",
@@ -50,7 +50,7 @@ const std::vector<ConfigSection>& allSections() {
         "cpu_offload_param", "cpu_offload_use_pin_memory", "legacy_stage1",
         "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
-        "mics_shard_size", "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
+        "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply"}},
       // The inert keys tune NVMe offload (ZeRO-Infinity), which "cpu" and "none" switch off.
       {"zero_optimization.offload_optimizer",
@@ -72,7 +72,7 @@ const std::vector<ConfigSection>& allSections() {
       {"tensor_parallel.tp", {"tp_size"}, {}, {"tp_grain_size", "mpu", "tp_group", "enabled"}},
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
-        "checkpoint", "max_inflight_reductions"},
+        "checkpoint", "max_inflight_reductions", "shard_group_size"},
        {}},
       {"zeroshard.checkpoint", {"keep_last"}, {}},
   };

@@ -245,6 +245,7 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
     }
     readBool(o, path, name, zero.gather16bitWeightsOnModelSave);
   }
+  readShardGroupSize(o, path, "mics_shard_size");
   if (const Json* offload = object(o, path, "offload_optimizer")) {
     readOffload(*offload, join(path, "offload_optimizer"), zero.offloadOptimizer);
   }

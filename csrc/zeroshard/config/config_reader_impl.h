@@ -188,6 +188,7 @@ class ConfigReader {
   void readScheduler(const Json& o, const std::string& path);
   void readSchedulerParam(const Json& value, const std::string& path, const SchedulerParamSpec& spec);
   void readOffload(const Json& o, const std::string& path, OffloadConfig& offload);
+  void readShardGroupSize(const Json& o, const std::string& path, const char* key);
   void readFp16(const Json& o, const std::string& path);
   void readOptimizer(const Json& o, const std::string& path);
   void readOptimizerParams(const Json& o, const std::string& path);

@@ -13,6 +13,7 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
   readNumber(o, path, "collective_timeout_seconds", kPositive, extras.collectiveTimeoutSeconds);
   readBool(o, path, "reshard_after_forward", extras.reshardAfterForward);
   readInt(o, path, "max_inflight_reductions", kPositiveInt, extras.maxInflightReductions);
+  readShardGroupSize(o, path, "shard_group_size");
   if (const Json* checkpoint = object(o, path, "checkpoint")) {
     const std::string checkpointPath = join(path, "checkpoint");
     checkKeys(*checkpoint, checkpointPath, configSection("zeroshard.checkpoint"));
@@ -34,6 +35,30 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
       extras.unitClasses.push_back(name.get<std::string>());
     }
   }
+}
+
+// zeroshard.shard_group_size / zero_optimization.mics_shard_size: a whole number >= 1, or "node"
+// (DeepSpeed's -1 for mics_shard_size is off). Written in both places, they must agree.
+void ConfigReader::readShardGroupSize(const Json& o, const std::string& path, const char* key) {
+  const Json* v = member(o, key);
+  const std::string where = join(path, key);
+  if (v == nullptr || v->is_null() || takeAuto(*v, where)) return;
+  int64_t size = 0;
+  if (v->is_string() && *v == "node") {
+    size = ZeroshardExtras::kShardGroupNode;
+  } else {
+    const bool mics = std::string(key) == "mics_shard_size";
+    size = toInt(*v, where, mics ? IntRange{-1, kInt64Max, "-1 (off), >= 1 or \"node\""}
+                                 : IntRange{1, kInt64Max, ">= 1 or \"node\""});
+    if (size == 0) fail(where + ": must be -1 (off), >= 1 or \"node\", got 0");
+    if (size == -1) return;  // DeepSpeed's "off"
+  }
+  auto& current = config_.extras.shardGroupSize;
+  if (current != 0 && current != size) {
+    fail(where + ": " + describe(*v) + " differs from the shard group size set by the other key "
+         "(zero_optimization.mics_shard_size and zeroshard.shard_group_size name the same thing)");
+  }
+  current = size;
 }
 
 // DeepSpeed's AutoTP training config. zeroshard shards data-parallel only, so a tensor-parallel

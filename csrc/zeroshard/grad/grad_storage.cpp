@@ -1,6 +1,7 @@
 #include "zeroshard/grad/grad_storage.h"
 
 #include "zeroshard/grad/host_grads.h"
+#include "zeroshard/grad/replica_reduce.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -191,7 +192,8 @@ class ShardedGradStorage final : public GradStorage {
 // shard is 16-bit (DESIGN.md's 2 bytes of gradient); it is fp32 when it must accumulate several
 // micro-batches or receives fp32 sums (reduce_dtype "fp32").
 std::unique_ptr<GradStorage> GradStorage::forPlan(const ShardingPlan& plan, const std::vector<Bucket>& buckets,
-                                                  int rank, const GradStorageOptions& options) {
+                                                  int rank, const GradStorageOptions& options,
+                                                  Communicator* replicate) {
   std::unique_ptr<GradStorage> storage;
   if (plan.gradsSharded()) {
     const bool wide = options.accumulationSteps > 1 || options.reduceInFloat;
@@ -200,6 +202,7 @@ std::unique_ptr<GradStorage> GradStorage::forPlan(const ShardingPlan& plan, cons
     const bool wideShard = plan.optimizerSharded() && options.reduceInFloat && options.computeDtype != at::kFloat;
     storage = std::make_unique<FullGradStorage>(buckets, rank, plan.optimizerSharded(), wideShard);
   }
+  if (replicate != nullptr) storage = withReplicaAllReduce(std::move(storage), *replicate);
   if (!plan.anyOptimizerOnHost(buckets.size())) return storage;
   return withHostGradShards(std::move(storage), buckets, plan.optimizerOnHostByBucket(buckets.size()),
                             plan.pinOptimizer());

@@ -71,8 +71,11 @@ struct GradStorageOptions {
 class GradStorage {
  public:
   // The storage the plan asks for, with empty (zero) gradients for every bucket.
+  // `replicate` (hybrid sharding): the ranks holding the same shards in the other shard groups;
+  // the window's sum of each shard is all-reduced over them (grad/host_grads.h).
   static std::unique_ptr<GradStorage> forPlan(const ShardingPlan& plan, const std::vector<Bucket>& buckets,
-                                              int rank, const GradStorageOptions& options);
+                                              int rank, const GradStorageOptions& options,
+                                              Communicator* replicate = nullptr);
   virtual ~GradStorage() = default;
 
   // true: autograd accumulates into the storage and a bucket is reduced at the accumulation

@@ -1,5 +1,7 @@
 #include "zeroshard/grad/host_grads.h"
 
+#include "zeroshard/grad/grad_decorator.h"
+
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
@@ -13,11 +15,11 @@
 namespace zeroshard {
 namespace {
 
-class HostGradShards final : public GradStorage {
+class HostGradShards final : public GradStorageDecorator {
  public:
   HostGradShards(std::unique_ptr<GradStorage> inner, const std::vector<Bucket>& buckets,
                  const std::vector<char>& onHost, bool pin)
-      : inner_(std::move(inner)) {
+      : GradStorageDecorator(std::move(inner)) {
     for (size_t i = 0; i < buckets.size(); ++i) {
       const at::Tensor grad = inner_->optimizerGrad(i);
       host_.push_back(onHost[i] ? emptyOnHost(grad.numel(), at::kFloat, pin, grad.device()) : at::Tensor());
@@ -25,16 +27,8 @@ class HostGradShards final : public GradStorage {
     }
   }
 
-  bool accumulatesInPlace() const override { return inner_->accumulatesInPlace(); }
   at::Tensor optimizerGrad(size_t index) const override {
     return host_[index].defined() ? host_[index] : inner_->optimizerGrad(index);
-  }
-  void beginBackward(const Bucket& bucket, size_t index, bool boundary) override {
-    boundary_ = boundary;
-    inner_->beginBackward(bucket, index, boundary);
-  }
-  void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& transient) override {
-    inner_->gradReady(bucket, index, param, transient);
   }
 
   StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& ready, Communicator& comm,
@@ -49,17 +43,12 @@ class HostGradShards final : public GradStorage {
     return started;
   }
 
-  void zero() override { inner_->zero(); }  // every host shard is overwritten at the next boundary
-  int64_t bytes() const override { return inner_->bytes() + hostBytes(); }
-  int64_t hostBytes() const override {
-    int64_t total = 0;
-    for (const auto& h : host_) {
-      if (h.defined()) total += static_cast<int64_t>(h.nbytes());
-    }
-    return total;
-  }
+  // Every host shard is overwritten at the next boundary, so zero() leaves them.
+  int64_t bytes() const override { return inner_->bytes() + ownHostBytes(); }
+  int64_t hostBytes() const override { return inner_->hostBytes() + ownHostBytes(); }
 
   void finishCopies() override {
+    inner_->finishCopies();
     if (copyStream_) copyStream_->synchronize();
   }
 
@@ -84,9 +73,15 @@ class HostGradShards final : public GradStorage {
     copyBetween(host_[index], src);
   }
 
-  std::unique_ptr<GradStorage> inner_;
+  int64_t ownHostBytes() const {
+    int64_t total = 0;
+    for (const auto& h : host_) {
+      if (h.defined()) total += static_cast<int64_t>(h.nbytes());
+    }
+    return total;
+  }
+
   std::vector<at::Tensor> host_;  // fp32, per bucket; undefined where the optimizer is on the device
-  bool boundary_ = false;
   std::optional<c10::Stream> copyStream_;
 };
 

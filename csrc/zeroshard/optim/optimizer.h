@@ -1,6 +1,6 @@
 // AdamW on this rank's flat fp32 shards: one fused ATen kernel call per param group and device
 // (per shard when the gradients are 16-bit, Note [fp32 gradients one shard at a time]). With
-// offload some or all shards are host tensors (optim/offload.h): they are stepped on the host,
+// offload some or all shards are host tensors (docs/offload.md): they are stepped on the host,
 // with ATen's fused CPU kernel over the process's intra-op threads, the others on the device.
 #pragma once
 

@@ -8,11 +8,16 @@
 namespace zeroshard {
 namespace {
 
-std::string describeState(const char* what, const StatePlan& state, int shards, const std::string& device) {
+std::string describeState(const char* what, const StatePlan& state, int shards, int copies,
+                          const std::string& device) {
   std::string line = std::string(what) + ": ";
   const std::string ranks = shards == 1 ? "rank 0" : "ranks 0-" + std::to_string(shards - 1);
   if (state.sharded()) {
     line += "sharded over " + ranks + " (" + std::to_string(shards) + (shards == 1 ? " shard)" : " shards)");
+    if (copies > 1) {
+      line += " in each of " + std::to_string(copies) + " groups of consecutive ranks (" + std::to_string(copies) +
+              " copies of each shard)";
+    }
   } else {
     line += "replicated on " + ranks + " (every rank holds all of it)";
   }
@@ -22,15 +27,25 @@ std::string describeState(const char* what, const StatePlan& state, int shards, 
 
 }  // namespace
 
-ShardingPlan ShardingPlan::forStage(int64_t stage, int worldSize, std::string device) {
+ShardingPlan ShardingPlan::forStage(int64_t stage, int worldSize, std::string device, int shardGroupSize) {
   if (stage < 0 || stage > 3) {
     throw std::invalid_argument("zeroshard: there is no ZeRO stage " + std::to_string(stage) + " (0, 1, 2 or 3)");
   }
   if (worldSize < 1) throw std::invalid_argument("zeroshard: world size must be >= 1, got " + std::to_string(worldSize));
   ShardingPlan plan;
   plan.stage_ = stage;
-  plan.shardGroupSize_ = worldSize;
-  plan.replicateGroupSize_ = 1;
+  const int k = shardGroupSize == 0 ? worldSize : shardGroupSize;
+  if (k < 1 || worldSize % k != 0) {
+    throw std::invalid_argument("zeroshard: a shard group of " + std::to_string(k) + " ranks does not divide the "
+                                "world of " + std::to_string(worldSize) + " ranks; use a size that divides it "
+                                "(the ranks of one node, usually)");
+  }
+  if (k < worldSize && stage == 0) {
+    throw std::invalid_argument("zeroshard: a shard group of " + std::to_string(k) + " ranks needs "
+                                "zero_optimization.stage 1, 2 or 3 (stage 0 shards nothing)");
+  }
+  plan.shardGroupSize_ = k;
+  plan.replicateGroupSize_ = worldSize / k;
   plan.device_ = std::move(device);
   plan.optimizer_.sharding = stage >= 1 ? Sharding::kSharded : Sharding::kReplicated;
   plan.grads_.sharding = stage >= 2 ? Sharding::kSharded : Sharding::kReplicated;
@@ -38,8 +53,13 @@ ShardingPlan ShardingPlan::forStage(int64_t stage, int worldSize, std::string de
   return plan;
 }
 
-ShardingPlan ShardingPlan::fromConfig(const Config& config, int worldSize, std::string device) {
-  ShardingPlan plan = forStage(config.zero.stage, worldSize, std::move(device));
+ShardingPlan ShardingPlan::fromConfig(const Config& config, int worldSize, std::string device, int localWorldSize) {
+  int shardGroup = static_cast<int>(config.extras.shardGroupSize);
+  if (config.extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
+    shardGroup = localWorldSize > 0 ? localWorldSize : worldSize;
+  }
+  if (shardGroup == worldSize) shardGroup = 0;
+  ShardingPlan plan = forStage(config.zero.stage, worldSize, std::move(device), shardGroup);
   // The reader already turned offload off where the stage has none (with a warning).
   const auto& zero = config.zero;
   if (zero.offloadOptimizer.toHost && plan.optimizerSharded() && zero.offloadOptimizer.ratio > 0) {
@@ -71,13 +91,13 @@ std::vector<char> ShardingPlan::optimizerOnHostByBucket(size_t buckets) const {
 }
 
 std::string ShardingPlan::describe() const {
-  std::string optimizer = describeState("optimizer state", optimizer_, shardGroupSize_, device_);
+  std::string optimizer = describeState("optimizer state", optimizer_, shardGroupSize_, replicateGroupSize_, device_);
   if (optimizer_.placement == Placement::kHost && hostRatio_ < 1.0) {
     optimizer += " (the last " + std::to_string(static_cast<int>(hostRatio_ * 100 + 0.5)) +
                  "% of the buckets; the others on " + device_ + ")";
   }
-  return describeState("parameters", params_, shardGroupSize_, device_) + "\n" +
-         describeState("gradients", grads_, shardGroupSize_, device_) + "\n" + optimizer;
+  return describeState("parameters", params_, shardGroupSize_, replicateGroupSize_, device_) + "\n" +
+         describeState("gradients", grads_, shardGroupSize_, replicateGroupSize_, device_) + "\n" + optimizer;
 }
 
 }  // namespace zeroshard

@@ -9,7 +9,7 @@
 // Today the shard group is the whole world and the replicate group has one member; hybrid
 // sharding (a shard group per node, replication across nodes) will be new values of these
 // fields. Offload (ZeRO-Offload) is the placement: the optimizer state (stages 1-3) and the
-// parameter shards (stage 3) in host memory (optim/offload.h).
+// parameter shards (stage 3) in host memory (docs/offload.md).
 #pragma once
 
 #include <cstdint>
@@ -35,9 +35,13 @@ class ShardingPlan {
   // ZeRO stage `stage` (0-3) for `worldSize` ranks: 0 replicates everything, 1 shards the
   // optimizer state, 2 also the gradients, 3 also the parameters. `device` names where the
   // compute device states live ("cpu", "cuda:0"), for describe().
-  static ShardingPlan forStage(int64_t stage, int worldSize, std::string device = "cpu");
-  // The plan the config asks for (zero_optimization.stage).
-  static ShardingPlan fromConfig(const Config& config, int worldSize, std::string device = "cpu");
+  // `shardGroupSize` (hybrid sharding): sharded states are split over groups of that many
+  // consecutive ranks and replicated across the groups; 0 = one group of the whole world.
+  static ShardingPlan forStage(int64_t stage, int worldSize, std::string device = "cpu", int shardGroupSize = 0);
+  // The plan the config asks for (zero_optimization.stage, its offload and shard group keys);
+  // `localWorldSize` is the ranks of one node, for a shard group size of "node".
+  static ShardingPlan fromConfig(const Config& config, int worldSize, std::string device = "cpu",
+                                 int localWorldSize = 0);
 
   const StatePlan& params() const { return params_; }
   const StatePlan& grads() const { return grads_; }
@@ -66,9 +70,12 @@ class ShardingPlan {
   bool pinOptimizer() const { return pinOptimizer_; }
   bool pinParams() const { return pinParams_; }
 
-  // The ranks a sharded state is split over, and how many copies of each shard exist.
+  // The ranks a sharded state is split over, and how many copies of each shard exist (the shard
+  // groups: shardGroupSize() consecutive ranks each; a rank's replicate group: the ranks at its
+  // position in every shard group). hybrid(): more than one shard group.
   int shardGroupSize() const { return shardGroupSize_; }
   int replicateGroupSize() const { return replicateGroupSize_; }
+  bool hybrid() const { return replicateGroupSize_ > 1; }
   // The ZeRO stage this plan is (recorded in checkpoints, shown to people).
   int64_t stage() const { return stage_; }
 

@@ -79,6 +79,26 @@ TEST_CASE("offload places the optimizer state (by bucket, with ratio) and stage-
   CHECK_FALSE(ShardingPlan::fromConfig(Config::fromJsonString("{}"), 2).anyOptimizerOnHost(4));
 }
 
+TEST_CASE("hybrid sharding shards over groups of consecutive ranks and replicates across them") {
+  const Config config = Config::fromJsonString(R"({"zero_optimization": {"stage": 3}, "zeroshard": {"shard_group_size": 2}})");
+  const ShardingPlan plan = ShardingPlan::fromConfig(config, 8);
+  CHECK(plan.shardGroupSize() == 2);
+  CHECK(plan.replicateGroupSize() == 4);
+  CHECK(plan.hybrid());
+  CHECK(plan.describe().find("parameters: sharded over ranks 0-1 (2 shards) in each of 4 groups of consecutive "
+                             "ranks (4 copies of each shard), on cpu") == 0);
+  // "node": the ranks of one node; the whole world is one group, as without the key.
+  const Config node = Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "mics_shard_size": "node"}})");
+  CHECK(ShardingPlan::fromConfig(node, 8, "cpu", 4).shardGroupSize() == 4);
+  CHECK_FALSE(ShardingPlan::fromConfig(node, 4, "cpu", 4).hybrid());
+  const Config off = Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "mics_shard_size": -1}})");
+  CHECK_FALSE(ShardingPlan::fromConfig(off, 8).hybrid());
+  CHECK_THROWS_AS(ShardingPlan::forStage(2, 6, "cpu", 4), std::invalid_argument);
+  CHECK_THROWS_AS(ShardingPlan::forStage(0, 4, "cpu", 2), std::invalid_argument);
+  CHECK_THROWS_AS(Config::fromJsonString(R"({"zero_optimization": {"mics_shard_size": 2}, "zeroshard": {"shard_group_size": 4}})"),
+                  zeroshard::ConfigError);
+}
+
 TEST_CASE("a stage outside 0-3 or an empty world is not a plan") {
   CHECK_THROWS_AS(ShardingPlan::forStage(4, 2), std::invalid_argument);
   CHECK_THROWS_AS(ShardingPlan::forStage(-1, 2), std::invalid_argument);

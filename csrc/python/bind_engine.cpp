@@ -226,7 +226,15 @@ void bindEngine(py::module_& m) {
                              "device_grads"_a = s.deviceGradBytes(), "device_optimizer"_a = s.deviceOptimizerBytes(),
                              "device_total"_a = s.deviceTotalBytes());
            })
-      .def("comm_stats", [](const Engine& e) { return commStatsDict(e.commStats()); })
+      .def("comm_stats",
+           [](const Engine& e) {
+             py::dict out = commStatsDict(e.commStats());
+             if (e.plan().hybrid()) {
+               out["intra"] = commStatsDict(e.intraStats());
+               out["inter"] = commStatsDict(e.interStats());
+             }
+             return out;
+           })
       .def("named_parameters", &Engine::namedParameters)
       .def("master_weights", &Engine::masterWeights, py::call_guard<py::gil_scoped_release>())
       .def("stage3_units",

@@ -325,6 +325,8 @@ bool Engine::overflowed() {
 void Engine::finishStep() {
   zeroGrads();
   lastStepStats_ = stepStats();
+  lastIntraStats_ = shardGroup_ ? shardGroup_->stats() : CommStats();
+  lastInterStats_ = replicateGroup_ ? replicateGroup_->stats() : CommStats();
   resetStepStats();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();

@@ -152,8 +152,12 @@ class Engine {
   double lastGradNorm() const { return lastGradNorm_.defined() ? lastGradNorm_.item<double>() : 0.0; }
 
   MemoryStats memoryStats() const;
-  // Collectives of the last completed optimizer step (all its micro-batches), by kind.
+  // Collectives of the last completed optimizer step (all its micro-batches), by kind. With
+  // hybrid sharding also by level: inside the shard group ("intra", a node) and across the
+  // groups ("inter"); the two add up to commStats().
   const CommStats& commStats() const { return lastStepStats_; }
+  const CommStats& intraStats() const { return lastIntraStats_; }
+  const CommStats& interStats() const { return lastInterStats_; }
   // Every trained parameter, by its original name (full tensors; stages 0-2 keep them whole).
   std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;
   // Every trained parameter's fp32 master weights, whole, by its original name, as new CPU
@@ -309,6 +313,8 @@ class Engine {
   bool backwardSinceStep_ = false;
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   CommStats lastStepStats_;
+  CommStats lastIntraStats_;
+  CommStats lastInterStats_;
   int64_t lastPeakGatheredBytes_ = 0;
   int64_t lastPeakStagingBytes_ = 0;
 };

@@ -180,7 +180,9 @@ class Engine:
         return self._core.memory_stats()
 
     def comm_stats(self):
-        """Bytes and calls per collective kind in the last optimizer step."""
+        """Bytes and calls per collective kind in the last optimizer step. With hybrid sharding
+        (zeroshard.shard_group_size) also "intra" and "inter": the same inside the shard group
+        and across the groups, which add up to the whole."""
         return self._core.comm_stats()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None):

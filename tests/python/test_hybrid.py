@@ -41,8 +41,8 @@ def _train(rank, world_size, precision, gas, clip):
         engine = zeroshard.initialize(model, _config(stage, precision, gas, clip,
                                                      key="mics_shard_size" if stage == 2 else "shard_group_size"))
         losses = train_global_batches(model, engine, rank, world_size, range(STEPS), MICRO)
-        out[stage] = {"losses": losses, "state": engine.full_state_dict(), "memory": engine.memory_stats(),
-                      "plan": engine.plan()}
+        out[stage] = {"losses": losses, "memory": engine.memory_stats(), "comm": engine.comm_stats(),
+                      "plan": engine.plan(), "state": engine.full_state_dict()}
     return out
 
 
@@ -120,6 +120,23 @@ def test_memory_follows_the_formulas_with_the_group_in_place_of_the_world(runs):
         expected = model_state_bytes(3, GROUP, sum(stage3_unit_numels(model, GROUP)), "bf16")
         mem = rank_results[3]["memory"]
         assert {k: mem[k] for k in expected} == expected, mem
+
+
+def test_bytes_per_step_by_level_follow_the_formulas(runs):
+    """Stages 1 and 2, fp32, one micro-batch per step, Ψ the padded elements of every bucket:
+    inside the group the gradients are reduce-scattered and the parameters all-gathered (4Ψ
+    bytes each); across the groups only each shard's all-reduce moves (4Ψ/k, counted twice as
+    traffic, Note [traffic]). The levels add up to the step's total."""
+    for rank_results in runs.result(WORLD, "fp32"):
+        for stage in (1, 2):
+            comm, padded = rank_results[stage]["comm"], rank_results[stage]["memory"]["params"] // 4
+            intra, inter = comm["intra"], comm["inter"]
+            assert intra["reduce_scatter"]["bytes"] == 4 * padded and intra["all_gather"]["bytes"] == 4 * padded
+            assert intra["all_reduce"]["bytes"] == 0 and inter["reduce_scatter"]["bytes"] == 0
+            assert inter["all_reduce"]["bytes"] == 4 * padded // GROUP
+            assert inter["all_gather"]["bytes"] == 0
+            assert intra["traffic_bytes"] + inter["traffic_bytes"] == comm["traffic_bytes"]
+            assert inter["traffic_bytes"] == 2 * 4 * padded // GROUP
 
 
 def test_the_plan_names_the_groups(runs):

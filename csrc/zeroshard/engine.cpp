@@ -416,13 +416,7 @@ void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Ten
 CheckpointedState Engine::checkpointedState() {
   return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
           optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, batchSizes_.accumulationSteps, microSteps_,
-          skippedSteps_, schedule_ ? &*schedule_ : nullptr};
-}
-
-void Engine::checkNotHybrid(const char* call) const {
-  TORCH_CHECK(!plan_.hybrid(), "zeroshard: ", call, " is not implemented with hybrid sharding yet (a shard group of ",
-              plan_.shardGroupSize(), " of ", comm_.worldSize(), " ranks); train without zeroshard.shard_group_size / "
-              "zero_optimization.mics_shard_size to checkpoint");
+          skippedSteps_, schedule_ ? &*schedule_ : nullptr, shardComm().rank(), shardComm().worldSize()};
 }
 
 void Engine::checkBetweenSteps(const char* call) const {
@@ -434,13 +428,11 @@ void Engine::checkBetweenSteps(const char* call) const {
 std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
                                    const std::string& rankError) {
   checkBetweenSteps("save_checkpoint()");
-  checkNotHybrid("save_checkpoint()");
   return zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
 }
 
 LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
   checkBetweenSteps("load_checkpoint()");
-  checkNotHybrid("load_checkpoint()");
   auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
   params_->reshardAll();
   masters_->pushToParams(buckets_);

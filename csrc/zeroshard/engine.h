@@ -276,7 +276,6 @@ class Engine {
   void zeroGrads();
   CheckpointedState checkpointedState();
   void checkBetweenSteps(const char* call) const;
-  void checkNotHybrid(const char* call) const;
 
   // Hybrid sharding: the world's ranks of this rank's shard group and replicate group (none when
   // the shard group is the world: shardComm() is comm_ then).

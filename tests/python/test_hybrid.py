@@ -49,7 +49,7 @@ def _train(rank, world_size, precision, gas, clip):
 CASES = {"fp32": ("fp32", None, None), "fp32_accumulation_clipping": ("fp32", 2, 0.05), "bf16": ("bf16", None, None)}
 
 
-def _errors(rank, world_size, tmp):
+def _errors(rank, world_size):
     """What hybrid sharding refuses, each with an error that names it."""
     import zeroshard
 
@@ -61,20 +61,65 @@ def _errors(rank, world_size, tmp):
             zeroshard.initialize(make_model(), config)
         except ValueError as e:
             out[name] = str(e)
-    model = make_model()
-    engine = zeroshard.initialize(model, _config(2, "fp32"))
-    train_global_batches(model, engine, rank, world_size, range(1), MICRO)
-    try:
-        engine.save_checkpoint(tmp)
-    except RuntimeError as e:
-        out["checkpoint"] = str(e)
     return out
+
+
+SAVE_AT, MORE = 2, 2
+
+
+def _layout(stage, group):
+    config = _config(stage, "fp32")
+    if group is None:
+        del config["zeroshard"]["shard_group_size"]
+    else:
+        config["zeroshard"]["shard_group_size"] = group
+    return config
+
+
+def _checkpoints(rank, world_size, tmp):
+    """Saved at 2x2 (stages 2 and 3) after SAVE_AT steps; resumed in new engines at 2x2, at 1x4
+    (one group of 4) and at 4x1 (groups of 1: every rank holds everything), the weights after
+    MORE steps against the run that went on."""
+    import zeroshard
+    from models import make_stateful_model
+
+    out = {}
+    for stage in (2, 3):
+        path = f"{tmp}/stage{stage}"
+        model = make_stateful_model(0)
+        engine = zeroshard.initialize(model, _layout(stage, GROUP))
+        train_global_batches(model, engine, rank, world_size, range(SAVE_AT), MICRO, after_step=model.advance)
+        engine.save_checkpoint(path)
+        train_global_batches(model, engine, rank, world_size, range(SAVE_AT, SAVE_AT + MORE), MICRO,
+                             after_step=model.advance)
+        out[stage, "uninterrupted"] = engine.full_state_dict(dtype=torch.float32)
+        for name, (resume_stage, group) in {"2x2": (stage, GROUP), "1x4": (2, None), "4x1": (3, 1)}.items():
+            model = make_stateful_model(seed=7)
+            engine = zeroshard.initialize(model, _layout(resume_stage, group))
+            engine.load_checkpoint(path)
+            train_global_batches(model, engine, rank, world_size, range(SAVE_AT, SAVE_AT + MORE), MICRO,
+                                 after_step=model.advance)
+            out[stage, name] = engine.full_state_dict(dtype=torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoints_saved_at_2x2_resume_at_any_layout(runs, stage):
+    for by_case in runs.result(WORLD, "checkpoints"):
+        uninterrupted = by_case[stage, "uninterrupted"]
+        same = by_case[stage, "2x2"]
+        assert all(torch.equal(same[k], v) for k, v in uninterrupted.items()), "2x2 resume is not the same run"
+        for layout in ("1x4", "4x1"):
+            for name, value in uninterrupted.items():
+                torch.testing.assert_close(by_case[stage, layout][name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{layout}, {name}: {m}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cases = {name: (_train, *args) for name, args in CASES.items()}
-    cases["errors"] = (_errors, str(tmp_path_factory.mktemp("hybrid_ckpt")))
+    cases["errors"] = (_errors,)
+    cases["checkpoints"] = (_checkpoints, str(tmp_path_factory.mktemp("hybrid_ckpt")))
     return SharedRuns({WORLD: cases})
 
 
@@ -82,7 +127,7 @@ def test_what_hybrid_sharding_refuses_is_named(runs):
     for errors in runs.result(WORLD, "errors"):
         assert "needs zero_optimization.stage 1, 2 or 3" in errors["stage0"]
         assert "a shard group of 3 ranks does not divide the world of 4 ranks" in errors["not_a_divisor"]
-        assert "save_checkpoint() is not implemented with hybrid sharding yet" in errors["checkpoint"]
+
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -38,13 +38,13 @@ c10::Device deviceOf(const CheckpointedState& s) {
 // The range of a bucket's flat buffer this rank holds master weights and AdamW state for.
 ShardRange heldRange(const CheckpointedState& s, size_t bucket) {
   const auto& layout = s.buckets[bucket].layout();
-  return s.plan.optimizerSharded() ? layout.shardRange(s.comm.rank()) : ShardRange{0, layout.paddedNumel()};
+  return s.plan.optimizerSharded() ? layout.shardRange(s.shardRank) : ShardRange{0, layout.paddedNumel()};
 }
 
 // This rank's shard of one state tensor of a bucket, on CPU (zeros where no parameter lies).
 // Stage 0 holds everything and saves its shard only, so that ranks write in parallel.
 at::Tensor savedShard(const CheckpointedState& s, size_t bucket, size_t kind) {
-  const ShardRange shard = s.buckets[bucket].layout().shardRange(s.comm.rank());
+  const ShardRange shard = s.buckets[bucket].layout().shardRange(s.shardRank);
   const ShardRange held = heldRange(s, bucket);
   at::Tensor out = at::zeros({shard.numel()}, at::TensorOptions().dtype(at::kFloat));
   for (const auto& slot : s.slots[bucket]) {
@@ -59,7 +59,7 @@ at::Tensor savedShard(const CheckpointedState& s, size_t bucket, size_t kind) {
 }
 
 FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir) {
-  const int rank = s.comm.rank();
+  const int rank = s.shardRank;
   const std::string name = CheckpointManifest::rankFileName(rank);
   std::vector<TensorEntry> entries;
   for (size_t b = 0; b < s.buckets.size(); ++b) {
@@ -80,7 +80,7 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
                               const std::vector<std::string>& digestTexts) {
   CheckpointManifest m;
   m.tag = tag;
-  m.worldSize = s.comm.worldSize();
+  m.worldSize = s.shardCount;
   m.stage = static_cast<int>(s.plan.stage());
   m.computeDtype = s.computeDtype;
   m.globalSteps = s.optimizer.stepCount();
@@ -217,7 +217,8 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
   });
   std::vector<FileDigest> digests;
   agreeAcrossRanks(s.comm, device, what, outcome, [&] {
-    digests.push_back(writeRankFile(s, staging));
+    // The first shard group's ranks hold every shard once (the other groups' are copies).
+    if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging));
     if (rank != 0) return;
     const auto& tensors = s.moduleState.tensors;
     if (!tensors.empty()) {

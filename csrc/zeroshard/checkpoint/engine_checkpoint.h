@@ -85,6 +85,12 @@ struct CheckpointedState {
   int64_t& microSteps;  // a multiple of accumulationSteps: checkpoints are between steps
   int64_t& skippedSteps;
   LrSchedule* schedule;  // none without a config "scheduler"
+  // This rank's place in its shard group (hybrid sharding; otherwise the world's rank and size).
+  // A checkpoint is what one shard group holds: the ranks of the first group write the rank
+  // files, as a checkpoint of shardCount ranks; every rank takes part in the agreements and
+  // reads its own slices on load.
+  int shardRank = 0;
+  int shardCount = 1;
 };
 
 // Collective and blocking. Returns the published checkpoint's path; `tag` empty means

@@ -182,11 +182,18 @@ void bindEngine(py::module_& m) {
              }
              MetaInit init{at::Device(initDevice), metaInitSteps(initSteps)};
              auto processGroup = c10d::resolve_process_group(groupName);
-             // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
-             // the last reference to a Python-owned tensor, so it must not be held here.
-             py::gil_scoped_release noGil;
-             return HolderWithoutGil<Engine>(new Engine(std::move(specs), std::move(processGroup), config,
-                                                        std::move(unitSpecs), std::move(init)));
+             CollectedWarnings warnings;  // e.g. one intra-op thread for an offloaded optimizer
+             HolderWithoutGil<Engine> built;
+             {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+               // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
+               // the last reference to a Python-owned tensor, so it must not be held here.
+               py::gil_scoped_release noGil;
+               built.reset(new Engine(std::move(specs), std::move(processGroup), config, std::move(unitSpecs),
+                                      std::move(init)));
+             }
+             warnings.warnAtCaller();
+             return built;
            }),
            "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list(), "init_device"_a = "cpu",
            "init_steps"_a = py::list(),

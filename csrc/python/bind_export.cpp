@@ -13,17 +13,12 @@ namespace py = pybind11;
 using namespace pybind11::literals;
 
 namespace zeroshard::python {
-namespace {
 
-// Keeps the TORCH_WARN messages of one call (made on this thread) to hand them to
-// zeroshard._warnings.warn_at_caller, which attributes them to the user's line, after it.
-class CollectedWarnings final : public c10::WarningHandler {
- public:
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-  std::vector<std::string> messages;
-};
+void CollectedWarnings::warnAtCaller() const {
+  const pybind11::object warn = pybind11::module_::import("zeroshard._warnings").attr("warn_at_caller");
+  for (const auto& message : messages) warn(message);
+}
 
-} // namespace
 
 void bindExport(py::module_& m) {
   m.def(
@@ -38,8 +33,7 @@ void bindExport(py::module_& m) {
           py::gil_scoped_release noGil;
           saved = engine.save16bitModel(dir, filename, ModelExportOptions{exclude}, &stats);
         }
-        const py::object warn = py::module_::import("zeroshard._warnings").attr("warn_at_caller");
-        for (const auto& message : warnings.messages) warn(message);
+        warnings.warnAtCaller();
         return py::dict("saved"_a = saved, "path"_a = stats.path, "tensors"_a = stats.tensors,
                         "file_bytes"_a = stats.fileBytes, "gathered_peak"_a = stats.gatheredPeakBytes);
       },

@@ -3,7 +3,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <c10/util/Exception.h>
+
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace zeroshard {
 class CommStats;
@@ -43,5 +47,15 @@ using HolderWithoutGil = std::unique_ptr<T, DeleteWithoutGil<T>>;
 
 // {kind: {"calls", "bytes"}, ..., "traffic_bytes": n}, shared by Communicator and Engine.
 pybind11::dict commStatsDict(const CommStats& stats);
+
+// Keeps the TORCH_WARN messages made on this thread while installed (c10's
+// WarningHandlerGuard), to hand them to zeroshard._warnings.warn_at_caller with the GIL held
+// after the call, which attributes them to the user's line.
+class CollectedWarnings final : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  void warnAtCaller() const;
+  std::vector<std::string> messages;
+};
 
 } // namespace zeroshard::python

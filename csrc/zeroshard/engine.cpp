@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <thread>
 
 namespace zeroshard {
@@ -51,18 +50,6 @@ Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups
 }
 
 
-// The ranks of one node: torchrun's LOCAL_WORLD_SIZE, else the world (one machine).
-int localWorldSize(int worldSize) {
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  if (local == nullptr || *local == '\0') return worldSize;
-  try {
-    return std::stoi(local);
-  } catch (const std::exception&) {
-    TORCH_CHECK(false, "zeroshard: LOCAL_WORLD_SIZE=\"", local, "\" is not a whole number");
-  }
-  return worldSize;
-}
-
 // Whether the parameters are on the meta device: all of them, or none (the engine then
 // allocates on MetaInit::device).
 bool onMeta(const std::vector<ParamGroupSpec>& groups) {
@@ -92,7 +79,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
       comm_(std::move(processGroup), timeoutOf(config_)),
       plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(),
                                      onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups),
-                                     localWorldSize(comm_.worldSize()))),
+                                     localWorldSizeFromEnv(comm_.worldSize()))),
       stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
                [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
@@ -176,39 +163,6 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterGradReduce(UnitIndex{bucket}); };
   reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
   resetStepStats();
-}
-
-// Note [hybrid groups]: every rank makes its shard group, then its replicate group; the members
-// of each meet through the world's store under the group's name, so no rank waits on a group it
-// is not in, and the order is the same everywhere.
-// Engines made one after another in one process get groups of their own: the names carry a
-// count of hybrid engines made here, which is the same on every rank (every rank makes the same
-// engines in the same order).
-void Engine::makeHybridGroups() {
-  if (!plan_.hybrid()) return;
-  static int made = 0;
-  const std::string prefix = "engine" + std::to_string(made++) + "/";
-  const auto ranks = hybridRanks(comm_.rank(), comm_.worldSize(), plan_.shardGroupSize());
-  shardGroup_.emplace(makeSubgroup(comm_.group(), ranks.shard, prefix + "shard/" + std::to_string(ranks.shard.front()),
-                                   comm_.timeout()),
-                      comm_.timeout());
-  replicateGroup_.emplace(makeSubgroup(comm_.group(), ranks.replicate,
-                                       prefix + "replicate/" + std::to_string(ranks.replicate.front()),
-                                       comm_.timeout()),
-                          comm_.timeout());
-}
-
-CommStats Engine::stepStats() const {
-  CommStats stats = comm_.stats();
-  if (shardGroup_) stats.add(shardGroup_->stats());
-  if (replicateGroup_) stats.add(replicateGroup_->stats());
-  return stats;
-}
-
-void Engine::resetStepStats() {
-  comm_.resetStats();
-  if (shardGroup_) shardGroup_->resetStats();
-  if (replicateGroup_) replicateGroup_->resetStats();
 }
 
 void Engine::registerShards() {

@@ -103,10 +103,32 @@ def _meta(rank, world_size, stage, precision, offload):
     return out
 
 
+def _one_thread(rank, world_size):
+    """The host AdamW runs on torch's intra-op threads: with one of them (torchrun's default
+    OMP_NUM_THREADS=1) on a host with more cores, rank 0 says so; with two it does not."""
+    import warnings
+
+    import zeroshard
+
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                zeroshard.initialize(make_model(), _config(1, "fp32", OPTIMIZER))
+            out[threads] = [str(w.message) for w in caught if "intra-op threads" in str(w.message)]
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs():
     cases = {ws: {f"stage{stage}_{precision}": (_bitwise, stage, precision)
                   for stage in (1, 2, 3) for precision in ("fp32", "bf16")} for ws in WORLD_SIZES}
+    cases[1]["one_thread"] = (_one_thread,)
     cases[2] |= {"fp16": (_fp16,), "partial_stage2": (_partial, 2), "partial_stage3": (_partial, 3),
                  "meta_stage3": (_meta, 3, "bf16", OPTIMIZER | PARAMS), "meta_stage1": (_meta, 1, "fp32", OPTIMIZER)}
     return SharedRuns(cases)
@@ -155,6 +177,16 @@ def test_memory_by_place_follows_the_offload_formulas(runs, world_size, stage, p
             for state in ("params", "grads", "optimizer", "total"):
                 assert mem[state] == mem[f"host_{state}"] + mem[f"device_{state}"], (name, state, mem)
         assert result["none"]["memory"]["host_total"] == 0
+
+
+def test_one_intra_op_thread_for_the_host_step_is_warned_about(runs):
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: one thread is all there is")
+    result = runs.result(1, "one_thread")[0]
+    assert len(result[1]) == 1 and "torch.set_num_threads" in result[1][0], result
+    assert result[2] == []
 
 
 def test_the_plan_says_what_is_in_host_memory(runs):

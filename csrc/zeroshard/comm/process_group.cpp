@@ -56,12 +56,15 @@ LaunchEnv readLaunchEnv() {
   env.rank = parseInt("RANK", requireVar("RANK"), 0, env.worldSize - 1);
   const char* local = std::getenv("LOCAL_RANK");
   env.localRank = local && *local ? parseInt("LOCAL_RANK", local, 0, env.worldSize - 1) : env.rank;
-  const char* localWorld = std::getenv("LOCAL_WORLD_SIZE");
-  env.localWorldSize =
-      localWorld && *localWorld ? parseInt("LOCAL_WORLD_SIZE", localWorld, 1, env.worldSize) : env.worldSize;
+  env.localWorldSize = localWorldSizeFromEnv(env.worldSize);
   env.masterAddr = requireVar("MASTER_ADDR");
   env.masterPort = parseInt("MASTER_PORT", requireVar("MASTER_PORT"), 1, 65535);
   return env;
+}
+
+int localWorldSizeFromEnv(int worldSize) {
+  const char* localWorld = std::getenv("LOCAL_WORLD_SIZE");
+  return localWorld && *localWorld ? parseInt("LOCAL_WORLD_SIZE", localWorld, 1, worldSize) : worldSize;
 }
 
 DeviceChoice chooseDevice(int localRank, int localWorldSize, int visibleGpus) {

@@ -26,6 +26,9 @@ struct LaunchEnv {
 // Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR and MASTER_PORT. A missing
 // or malformed variable is an error that names it and says how to launch instead.
 LaunchEnv readLaunchEnv();
+// The ranks of one node: LOCAL_WORLD_SIZE when set (checked as readLaunchEnv checks it), else
+// `worldSize` (one machine).
+int localWorldSizeFromEnv(int worldSize);
 
 // The one-GPU-per-local-rank rule, for C++ programs (initProcessGroupFromEnv) and Python ones
 // (zeroshard.init_distributed) alike: with at least as many visible GPUs as ranks on this

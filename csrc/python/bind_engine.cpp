@@ -226,7 +226,8 @@ void bindEngine(py::module_& m) {
              const auto s = e.memoryStats();
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
                              "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
-                             "gathered_peak"_a = s.gatheredPeakBytes, "staging_peak"_a = s.stagingPeakBytes,
+                             "gathered_peak"_a = s.gatheredPeakBytes, "secondary_peak"_a = s.secondaryPeakBytes,
+                             "staging_peak"_a = s.stagingPeakBytes,
                              "fp32_grads_peak"_a = s.fp32GradsPeakBytes, "host_params"_a = s.hostParamBytes,
                              "host_grads"_a = s.hostGradBytes, "host_optimizer"_a = s.hostOptimizerBytes,
                              "host_total"_a = s.hostTotalBytes(), "device_params"_a = s.deviceParamBytes(),
@@ -236,7 +237,7 @@ void bindEngine(py::module_& m) {
       .def("comm_stats",
            [](const Engine& e) {
              py::dict out = commStatsDict(e.commStats());
-             if (e.plan().hybrid()) {
+             if (e.plan().twoLevels()) {
                out["intra"] = commStatsDict(e.intraStats());
                out["inter"] = commStatsDict(e.interStats());
              }

@@ -127,7 +127,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), shardComm(),
                                                  config_.zero.stage3PrefetchBucketSize,
                                                  config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
-                                                 plan_.pinParams());
+                                                 plan_.pinParams(), secondaryGroup_ ? &*secondaryGroup_ : nullptr);
     units_ = units.get();
     params_ = std::move(units);
   } else {
@@ -278,13 +278,11 @@ bool Engine::overflowed() {
 
 void Engine::finishStep() {
   zeroGrads();
-  lastStepStats_ = stepStats();
-  lastIntraStats_ = shardGroup_ ? shardGroup_->stats() : CommStats();
-  lastInterStats_ = replicateGroup_ ? replicateGroup_->stats() : CommStats();
-  resetStepStats();
+  recordStepStats();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
   lastPeakGatheredBytes_ = params_->peakGatheredBytes();
+  lastPeakSecondaryBytes_ = params_->peakSecondaryBytes();
   params_->resetPeak();
 }
 
@@ -310,6 +308,7 @@ MemoryStats Engine::memoryStats() const {
   stats.paramBytes = params_->bytes();
   stats.gradBytes = grads_->bytes();
   stats.gatheredPeakBytes = lastPeakGatheredBytes_;
+  stats.secondaryPeakBytes = lastPeakSecondaryBytes_;
   stats.stagingPeakBytes = lastPeakStagingBytes_;
   stats.fp32GradsPeakBytes = optimizer_.peakConvertedBytes();
   // fp32 training: the master weights are the parameters' own storage, not a copy.

@@ -68,6 +68,9 @@ struct MemoryStats {
   // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
   // step (not part of the total, which counts what is held between steps).
   int64_t gatheredPeakBytes = 0;
+  // Stage 3 with hpZ: the most bytes of secondary shards (zero_hpz_partition_size) held at once
+  // during the last step: 1/k of every unit released after its forward, until its backward.
+  int64_t secondaryPeakBytes = 0;
   // The most bytes of full-size buffers that exist only for a gradient reduction alive at once
   // during the last step (not part of the total either): the staging buffers of stages 2 and
   // 3, and the fp32 copies of 16-bit gradients reduced in fp32. One bucket's worth with
@@ -154,7 +157,8 @@ class Engine {
   MemoryStats memoryStats() const;
   // Collectives of the last completed optimizer step (all its micro-batches), by kind. With
   // hybrid sharding also by level: inside the shard group ("intra", a node) and across the
-  // groups ("inter"); the two add up to commStats().
+  // groups ("inter"); with hpZ inside the secondary groups ("intra": the backward gathers) and
+  // over the world ("inter": the rest). The two add up to commStats() (plan().twoLevels()).
   const CommStats& commStats() const { return lastStepStats_; }
   const CommStats& intraStats() const { return lastIntraStats_; }
   const CommStats& interStats() const { return lastInterStats_; }
@@ -284,12 +288,14 @@ class Engine {
   void makeHybridGroups();
   CommStats stepStats() const;
   void resetStepStats();
+  void recordStepStats();  // the step's counts into lastStepStats_ and its levels, then reset
 
   Config config_;
   Communicator comm_;
   ShardingPlan plan_;
   std::optional<Communicator> shardGroup_;
   std::optional<Communicator> replicateGroup_;
+  std::optional<Communicator> secondaryGroup_;  // hpZ: the stage-3 backward gathers' group
   StepLog stepLog_;
   at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
   std::optional<LrSchedule> schedule_;
@@ -315,6 +321,7 @@ class Engine {
   CommStats lastIntraStats_;
   CommStats lastInterStats_;
   int64_t lastPeakGatheredBytes_ = 0;
+  int64_t lastPeakSecondaryBytes_ = 0;
   int64_t lastPeakStagingBytes_ = 0;
 };
 

@@ -16,10 +16,18 @@ namespace zeroshard {
 // Engines made one after another in one process get groups of their own: the names carry a
 // count of hybrid engines made here, which is the same on every rank (every rank makes the same
 // engines in the same order).
+// hpZ's secondary groups are made the same way, after them.
 void Engine::makeHybridGroups() {
-  if (!plan_.hybrid()) return;
+  if (!plan_.twoLevels()) return;
   static int made = 0;
   const std::string prefix = "engine" + std::to_string(made++) + "/";
+  if (plan_.hpz()) {
+    const auto ranks = hybridRanks(comm_.rank(), comm_.worldSize(), plan_.secondaryGroupSize());
+    secondaryGroup_.emplace(makeSubgroup(comm_.group(), ranks.shard,
+                                         prefix + "hpz/" + std::to_string(ranks.shard.front()), comm_.timeout()),
+                            comm_.timeout());
+    return;
+  }
   const auto ranks = hybridRanks(comm_.rank(), comm_.worldSize(), plan_.shardGroupSize());
   shardGroup_.emplace(makeSubgroup(comm_.group(), ranks.shard, prefix + "shard/" + std::to_string(ranks.shard.front()),
                                    comm_.timeout()),
@@ -32,15 +40,32 @@ void Engine::makeHybridGroups() {
 
 CommStats Engine::stepStats() const {
   CommStats stats = comm_.stats();
-  if (shardGroup_) stats.add(shardGroup_->stats());
-  if (replicateGroup_) stats.add(replicateGroup_->stats());
+  for (const auto* group : {&shardGroup_, &replicateGroup_, &secondaryGroup_}) {
+    if (*group) stats.add((*group)->stats());
+  }
   return stats;
 }
 
 void Engine::resetStepStats() {
   comm_.resetStats();
-  if (shardGroup_) shardGroup_->resetStats();
-  if (replicateGroup_) replicateGroup_->resetStats();
+  for (auto* group : {&shardGroup_, &replicateGroup_, &secondaryGroup_}) {
+    if (*group) (*group)->resetStats();
+  }
+}
+
+// Hybrid: the shard group is inside a node, the replicate group across (the world's own
+// communicator carries nothing of a step's). hpZ: the secondary group is inside a node, and the
+// world's collectives (the forward gathers, the reduce-scatters) cross nodes.
+void Engine::recordStepStats() {
+  lastStepStats_ = stepStats();
+  if (secondaryGroup_) {
+    lastIntraStats_ = secondaryGroup_->stats();
+    lastInterStats_ = comm_.stats();
+  } else {
+    lastIntraStats_ = shardGroup_ ? shardGroup_->stats() : CommStats();
+    lastInterStats_ = replicateGroup_ ? replicateGroup_->stats() : CommStats();
+  }
+  resetStepStats();
 }
 
 } // namespace zeroshard

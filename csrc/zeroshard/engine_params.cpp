@@ -24,6 +24,7 @@ struct ParamWrite {
 } // namespace
 
 void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values) {
+  if (units_) units_->dropSecondaryShards();  // hpZ: they would hold the old values
   std::unordered_map<std::string, std::pair<size_t, size_t>> where;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& params = buckets_[b].layout().params();

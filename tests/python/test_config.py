@@ -177,6 +177,8 @@ KEY_EFFECTS = {
     "zero_optimization.offload_param.pin_memory": ("field", r"offloadParam\.pinMemory", False),
     "zero_optimization.mics_shard_size": ("field", r"extras\.shardGroupSize", 2),
     "zeroshard.shard_group_size": ("field", r"extras\.shardGroupSize", 2),
+    # hpZ is stage 3's: at the default stage 0 it warns; test_hpz.py trains with it.
+    "zero_optimization.zero_hpz_partition_size": ("warns", 2),
 }
 
 # The keys marked "inert" and the key beside them that switches their feature on.

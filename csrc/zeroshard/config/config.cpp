@@ -169,6 +169,7 @@ std::string Config::toJsonString() const {
                                                  {"ratio", zero.offloadOptimizer.ratio}};
   j["zero_optimization"]["offload_param"] = {{"device", zero.offloadParam.toHost ? "cpu" : "none"},
                                              {"pin_memory", zero.offloadParam.pinMemory}};
+  j["zero_optimization"]["zero_hpz_partition_size"] = zero.hpzPartitionSize;
   if (scheduler.enabled()) {
     Json params = Json::object();
     for (const auto& [key, value] : scheduler.params) {

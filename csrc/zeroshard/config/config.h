@@ -90,6 +90,11 @@ struct ZeroConfig {
   // memory, stepped there. Stage 3: the parameter shards in host memory too.
   OffloadConfig offloadOptimizer;
   OffloadConfig offloadParam;
+  // zero_hpz_partition_size (ZeRO++ hpZ), stage 3: after its forward all-gather over the shard
+  // group, each rank keeps a secondary shard of the unit in the compute dtype over groups of
+  // this many consecutive ranks, and the backward all-gather runs inside that group. 1 = off
+  // (DeepSpeed's default); at stages 0-2 it is ignored with a warning.
+  int64_t hpzPartitionSize = 1;
 
   // DeepSpeed's default: overlap at stage 3, not below.
   bool overlapCommResolved() const;

@@ -246,6 +246,14 @@ void ConfigReader::readZero(const Json& o, const std::string& path) {
     readBool(o, path, name, zero.gather16bitWeightsOnModelSave);
   }
   readShardGroupSize(o, path, "mics_shard_size");
+  readInt(o, path, "zero_hpz_partition_size", kPositiveInt, zero.hpzPartitionSize);
+  if (zero.hpzPartitionSize > 1 && zero.stage < 3) {
+    config_.warnings.push_back("\"" + join(path, "zero_hpz_partition_size") + "\": " +
+                               std::to_string(zero.hpzPartitionSize) + " is ignored at zero_optimization.stage " +
+                               std::to_string(zero.stage) + "; hpZ keeps secondary parameter shards, which exist "
+                               "at stage 3 only, as in DeepSpeed");
+    zero.hpzPartitionSize = 1;
+  }
   if (const Json* offload = object(o, path, "offload_optimizer")) {
     readOffload(*offload, join(path, "offload_optimizer"), zero.offloadOptimizer);
   }

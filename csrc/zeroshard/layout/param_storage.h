@@ -37,6 +37,8 @@ class ParamStorage {
   virtual int64_t hostBytes() const { return 0; }
   // The most bytes of gathered parameters alive at once since resetPeak() (stage 3).
   virtual int64_t peakGatheredBytes() const { return 0; }
+  // The same for hpZ's secondary shards (stage 3).
+  virtual int64_t peakSecondaryBytes() const { return 0; }
   virtual void resetPeak() {}
 };
 

@@ -71,6 +71,22 @@ ShardingPlan ShardingPlan::fromConfig(const Config& config, int worldSize, std::
     plan.params_.placement = Placement::kHost;
     plan.pinParams_ = zero.offloadParam.pinMemory;
   }
+  // The reader already turned hpZ off below stage 3 (with a warning).
+  const auto hpz = zero.hpzPartitionSize;
+  if (hpz > 1 && plan.paramsSharded()) {
+    if (plan.hybrid()) {
+      throw std::invalid_argument("zeroshard: zero_optimization.zero_hpz_partition_size " + std::to_string(hpz) +
+                                  " and a shard group of " + std::to_string(plan.shardGroupSize_) +
+                                  " ranks (mics_shard_size / zeroshard.shard_group_size) both keep the stage-3 "
+                                  "gathers inside a node; set one of them");
+    }
+    if (worldSize % hpz != 0) {
+      throw std::invalid_argument("zeroshard: zero_optimization.zero_hpz_partition_size " + std::to_string(hpz) +
+                                  " does not divide the world of " + std::to_string(worldSize) +
+                                  " ranks; use a size that divides it (the ranks of one node, usually)");
+    }
+    if (hpz < worldSize) plan.secondaryGroupSize_ = static_cast<int>(hpz);
+  }
   return plan;
 }
 
@@ -96,7 +112,12 @@ std::string ShardingPlan::describe() const {
     optimizer += " (the last " + std::to_string(static_cast<int>(hostRatio_ * 100 + 0.5)) +
                  "% of the buckets; the others on " + device_ + ")";
   }
-  return describeState("parameters", params_, shardGroupSize_, replicateGroupSize_, device_) + "\n" +
+  std::string params = describeState("parameters", params_, shardGroupSize_, replicateGroupSize_, device_);
+  if (hpz()) {
+    params += "; hpZ: after a unit's forward each rank keeps a secondary shard of it over groups of " +
+              std::to_string(secondaryGroupSize_) + " consecutive ranks, which its backward gathers from";
+  }
+  return params + "\n" +
          describeState("gradients", grads_, shardGroupSize_, replicateGroupSize_, device_) + "\n" + optimizer;
 }
 

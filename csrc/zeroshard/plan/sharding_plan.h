@@ -38,7 +38,7 @@ class ShardingPlan {
   // `shardGroupSize` (hybrid sharding): sharded states are split over groups of that many
   // consecutive ranks and replicated across the groups; 0 = one group of the whole world.
   static ShardingPlan forStage(int64_t stage, int worldSize, std::string device = "cpu", int shardGroupSize = 0);
-  // The plan the config asks for (zero_optimization.stage, its offload and shard group keys);
+  // The plan the config asks for (zero_optimization.stage, its offload, shard group and hpZ keys);
   // `localWorldSize` is the ranks of one node, for a shard group size of "node".
   static ShardingPlan fromConfig(const Config& config, int worldSize, std::string device = "cpu",
                                  int localWorldSize = 0);
@@ -76,6 +76,14 @@ class ShardingPlan {
   int shardGroupSize() const { return shardGroupSize_; }
   int replicateGroupSize() const { return replicateGroupSize_; }
   bool hybrid() const { return replicateGroupSize_ > 1; }
+  // hpZ (zero_hpz_partition_size, stage 3, a flat shard group only): backward all-gathers run
+  // over groups of secondaryGroupSize() consecutive ranks, from secondary shards kept after the
+  // forward's all-gather over the whole shard group. 1 = off; a size equal to the world is off
+  // too (the secondary group would be the shard group).
+  int secondaryGroupSize() const { return secondaryGroupSize_; }
+  bool hpz() const { return secondaryGroupSize_ > 1; }
+  // Collectives at two levels (hybrid or hpZ): comm_stats() splits them into intra and inter.
+  bool twoLevels() const { return hybrid() || hpz(); }
   // The ZeRO stage this plan is (recorded in checkpoints, shown to people).
   int64_t stage() const { return stage_; }
 
@@ -89,6 +97,7 @@ class ShardingPlan {
   int64_t stage_ = 0;
   int shardGroupSize_ = 1;
   int replicateGroupSize_ = 1;
+  int secondaryGroupSize_ = 1;
   std::string device_;
   double hostRatio_ = 1.0;
   bool pinOptimizer_ = false;

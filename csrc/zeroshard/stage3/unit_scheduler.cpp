@@ -16,17 +16,20 @@
 namespace zeroshard {
 
 UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
-                           int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin)
+                           int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin,
+                           Communicator* secondary)
     : units_(units),
       policies_(std::move(policies)),
       comm_(comm),
       prefetchElements_(prefetchElements),
-      maxLiveElements_(maxLiveElements) {
+      maxLiveElements_(maxLiveElements),
+      secondary_(secondary) {
   TORCH_CHECK(policies_.size() == units_.size(), "zeroshard: ", units_.size(), " units but ", policies_.size(),
               " policies");
   states_.assign(units_.size(), UnitState::kSharded);
   pending_.resize(units_.size());
   stagedShards_.resize(units_.size());
+  secondaryShards_.resize(units_.size());
   allocStreams_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = units_[u];
@@ -72,6 +75,7 @@ void UnitScheduler::unshard(size_t u) {
 
 CommHandle UnitScheduler::startGather(size_t u) {
   auto& unit = units_[u];
+  if (secondaryShards_[u].defined()) return secondary_->allGather(secondaryShards_[u], unit.flatParams());
   if (!unit.shardOnHost()) return comm_.allGather(unit.paramShard(), unit.flatParams());
   // Issued on the current stream before the collective, which c10d orders after it.
   auto& staged = stagedShards_[u];
@@ -80,14 +84,37 @@ CommHandle UnitScheduler::startGather(size_t u) {
   return comm_.allGather(staged, unit.flatParams());
 }
 
-void UnitScheduler::reshard(size_t u) {
+void UnitScheduler::reshard(size_t u, bool keepSecondary) {
+  if (!keepSecondary) dropSecondaryShard(u);
   if (policies_[u].keepGathered || states_[u] == UnitState::kSharded) return;
   if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
+  if (keepSecondary) keepSecondaryShard(u);
   orderAllocationAfterUse(u);
   units_[u].releaseFlatParams();
   states_[u] = UnitState::kSharded;
   liveElements_ -= units_[u].layout().paddedNumel();
   liveBytes_ -= static_cast<int64_t>(units_[u].flatParams().element_size()) * units_[u].layout().paddedNumel();
+}
+
+// Note [hpZ secondary shards]: the secondary group's members are consecutive ranks of the shard
+// group, so this rank's place in it is its rank there, and the slices of all members, in order,
+// are the whole unit: an all-gather of the secondary shards over the secondary group rebuilds
+// exactly the buffer the forward's all-gather over the shard group made. The slice is copied
+// on the current stream, after the gather's wait, before the buffer is released.
+void UnitScheduler::keepSecondaryShard(size_t u) {
+  if (secondary_ == nullptr || secondaryShards_[u].defined()) return;
+  const auto& flat = units_[u].flatParams();
+  const int64_t numel = units_[u].layout().paddedNumel() / secondary_->worldSize();
+  secondaryShards_[u] = flat.narrow(0, numel * secondary_->rank(), numel).clone();
+  secondaryBytes_ += static_cast<int64_t>(secondaryShards_[u].nbytes());
+  peakSecondaryBytes_ = std::max(peakSecondaryBytes_, secondaryBytes_);
+}
+
+void UnitScheduler::dropSecondaryShard(size_t u) {
+  auto& shard = secondaryShards_[u];
+  if (!shard.defined()) return;
+  secondaryBytes_ -= static_cast<int64_t>(shard.nbytes());
+  shard = at::Tensor();
 }
 
 // The next unit is prefetched even when it is larger than stage3_prefetch_bucket_size, as
@@ -149,7 +176,9 @@ void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& o
       }
     }
   }
-  if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) reshard(u);
+  if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) {
+    reshard(u, /*keepSecondary=*/c10::GradMode::is_enabled());
+  }
 }
 
 void UnitScheduler::preBackward(UnitIndex unit) {
@@ -219,6 +248,7 @@ void UnitScheduler::refreshKeptUnits() {
 }
 
 void UnitScheduler::afterStepOf(size_t u) {
+  dropSecondaryShard(u);  // the step changed the unit's shards
   if (policies_.at(u).keepGathered) refreshing_.emplace_back(u, startGather(u));
 }
 

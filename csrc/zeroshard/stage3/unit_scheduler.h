@@ -41,8 +41,15 @@ class UnitScheduler final : public ParamStorage {
   // `shardsOnHost` (offload_param): every unit's shard lives in host memory (pinned with `pin`
   // on a GPU); a gather first copies it to the device, as part of the gather, so a prefetched
   // gather prefetches the copy too, and the device copy is dropped once the gather is done.
+  //
+  // `secondary` (hpZ): a group of consecutive ranks inside `comm`'s. A unit released after a
+  // training forward keeps this rank's 1/secondary->worldSize() slice of the gathered unit (a
+  // secondary shard, in the compute dtype); gathers from then on until its gradients are
+  // reduced (its backward, a recomputed forward) run over `secondary` from those slices, and
+  // it is dropped once the unit's gradients are reduced or the shards change (a step).
   UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
-               int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false);
+               int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false,
+               Communicator* secondary = nullptr);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
   void preForward(UnitIndex unit);
@@ -78,12 +85,26 @@ class UnitScheduler final : public ParamStorage {
 
   bool isReleasable(UnitIndex unit) const { return !policies_.at(unit.value).keepGathered; }
   int64_t peakGatheredBytes() const override { return peakBytes_; }
-  void resetPeak() override { peakBytes_ = liveBytes_; }
+  // hpZ: drops every secondary shard (the shards were written outside a step).
+  void dropSecondaryShards() {
+    for (size_t u = 0; u < units_.size(); ++u) dropSecondaryShard(u);
+  }
+  // hpZ: the bytes of secondary shards held now, and the most held at once since resetPeak().
+  int64_t secondaryBytes() const { return secondaryBytes_; }
+  int64_t peakSecondaryBytes() const override { return peakSecondaryBytes_; }
+  void resetPeak() override {
+    peakBytes_ = liveBytes_;
+    peakSecondaryBytes_ = secondaryBytes_;
+  }
 
  private:
   void startUnshard(size_t unit);
   void unshard(size_t unit);
-  void reshard(size_t unit);
+  // `keepSecondary` (hpZ, after a training forward): keep this rank's secondary shard of the
+  // unit; otherwise it is dropped too.
+  void reshard(size_t unit, bool keepSecondary = false);
+  void keepSecondaryShard(size_t unit);
+  void dropSecondaryShard(size_t unit);
   void prefetch(size_t unit);
   void orderAllocationAfterUse(size_t unit);
   void checkOrderAcrossRanks();
@@ -101,6 +122,8 @@ class UnitScheduler final : public ParamStorage {
   std::vector<UnitState> states_;
   std::vector<std::optional<CommHandle>> pending_;
   std::vector<at::Tensor> stagedShards_;  // offload_param: a host shard's device copy, during its gather
+  Communicator* secondary_;                // hpZ: the secondary group, or none
+  std::vector<at::Tensor> secondaryShards_;  // hpZ: each unit's secondary shard, while it has one
   std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;
@@ -111,6 +134,8 @@ class UnitScheduler final : public ParamStorage {
   int64_t liveElements_ = 0;
   int64_t liveBytes_ = 0;
   int64_t peakBytes_ = 0;
+  int64_t secondaryBytes_ = 0;
+  int64_t peakSecondaryBytes_ = 0;
 };
 
 } // namespace zeroshard

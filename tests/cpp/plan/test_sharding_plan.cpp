@@ -99,6 +99,33 @@ TEST_CASE("hybrid sharding shards over groups of consecutive ranks and replicate
                   zeroshard::ConfigError);
 }
 
+TEST_CASE("hpZ keeps stage 3's backward gathers in groups of consecutive ranks over a flat shard group") {
+  auto plan = [](const char* zero, int world) {
+    return ShardingPlan::fromConfig(Config::fromJsonString(std::string(R"({"zero_optimization": )") + zero + "}"),
+                                    world);
+  };
+  const ShardingPlan hpz = plan(R"({"stage": 3, "zero_hpz_partition_size": 2})", 8);
+  CHECK(hpz.hpz());
+  CHECK(hpz.twoLevels());
+  CHECK(hpz.secondaryGroupSize() == 2);
+  CHECK(hpz.shardGroupSize() == 8);  // the primary shards span the world
+  CHECK_FALSE(hpz.hybrid());
+  CHECK(hpz.describe().find("secondary shard of it over groups of 2 consecutive ranks") != std::string::npos);
+  // Off: the default 1, a group of the whole world, and stages 0-2 (the reader warns there).
+  CHECK_FALSE(plan(R"({"stage": 3})", 8).twoLevels());
+  CHECK_FALSE(plan(R"({"stage": 3, "zero_hpz_partition_size": 8})", 8).hpz());
+  const Config stage2 = Config::fromJsonString(R"({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})");
+  CHECK(stage2.zero.hpzPartitionSize == 1);
+  REQUIRE(stage2.warnings.size() == 1);
+  CHECK(stage2.warnings[0].find("ignored at zero_optimization.stage 2") != std::string::npos);
+  CHECK_FALSE(ShardingPlan::fromConfig(stage2, 8).hpz());
+  // Refused: a size that does not divide the world, hpZ with a hybrid shard group, 0.
+  CHECK_THROWS_AS(plan(R"({"stage": 3, "zero_hpz_partition_size": 3})", 8), std::invalid_argument);
+  CHECK_THROWS_AS(plan(R"({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 4})", 8),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(plan(R"({"stage": 3, "zero_hpz_partition_size": 0})", 8), zeroshard::ConfigError);
+}
+
 TEST_CASE("a stage outside 0-3 or an empty world is not a plan") {
   CHECK_THROWS_AS(ShardingPlan::forStage(4, 2), std::invalid_argument);
   CHECK_THROWS_AS(ShardingPlan::forStage(-1, 2), std::invalid_argument);

@@ -44,6 +44,20 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
 
 
+class CheckpointedTransformer(TinyTransformer):
+    """TinyTransformer whose blocks run under activation checkpointing (not reentrant): each
+    block's forward runs again inside the backward. The same values as TinyTransformer."""
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        x = self.norm(x)
+        return self.head(x) + self.gate(x) * self.odd[: self.vocab]
+
+
 def make_model(seed=0, **kwargs):
     torch.manual_seed(seed)
     return TinyTransformer(**kwargs)

@@ -54,6 +54,22 @@ def _train(rank, world_size, precision, gas, clip):
 CASES = {"fp32": ("fp32", None, None), "fp32_accumulation_clipping": ("fp32", 2, 0.05), "bf16": ("bf16", None, None)}
 
 
+def _recomputed(rank, world_size):
+    """Stage 3 with every block under activation checkpointing (not reentrant): a block's
+    forward runs again inside the backward, with grad, and gathers from the secondary shards
+    too. With and without hpZ, and the losses of the same model without checkpointing."""
+    import zeroshard
+    from models import CheckpointedTransformer
+
+    out = {}
+    for name, hpz in (("hpz", HPZ), ("flat", None)):
+        torch.manual_seed(0)  # as make_model()
+        model = CheckpointedTransformer()
+        engine = zeroshard.initialize(model, _config(3, "fp32", hpz=hpz))
+        out[name] = _run(model, engine, rank, world_size, [])
+    return out
+
+
 def _errors(rank, world_size):
     """What hpZ refuses, each with an error that names it."""
     import zeroshard
@@ -72,6 +88,7 @@ def _errors(rank, world_size):
 def runs():
     cases = {name: (_train, *args) for name, args in CASES.items()}
     cases["errors"] = (_errors,)
+    cases["recomputed"] = (_recomputed,)
     return SharedRuns({WORLD: cases})
 
 
@@ -103,6 +120,22 @@ def test_hpz_at_every_stage_trains_like_single_process_adamw(runs, case):
         for other in results[1:]:
             for name, value in result["state"].items():
                 assert torch.equal(other[stage]["state"][name], value), (stage, name)
+
+
+def test_a_recomputed_forward_gathers_from_the_secondary_shards(runs):
+    """Each block is gathered three times a step: the forward over the world, then inside the
+    backward its recomputed forward and its backward from the secondary shards (the latter
+    finds it gathered already, so one intra gather per block); bitwise the run without hpZ,
+    and the uncheckpointed model's losses (recomputing changes no value)."""
+    units = stage3_unit_numels(make_model(), WORLD)
+    plain = runs.result(WORLD, "fp32")[0]["stage3_flat"]["losses"]
+    for rank_results in runs.result(WORLD, "recomputed"):
+        hpz, flat = rank_results["hpz"], rank_results["flat"]
+        assert hpz["losses"] == flat["losses"] == plain
+        for name, value in flat["state"].items():
+            assert torch.equal(hpz["state"][name], value), name
+        assert hpz["comm"]["intra"]["all_gather"]["bytes"] == 4 * sum(units[:-1])
+        assert hpz["memory"]["secondary_peak"] == 4 * sum(units[:-1]) // HPZ
 
 
 def test_below_stage3_the_key_is_ignored_with_a_warning(runs):

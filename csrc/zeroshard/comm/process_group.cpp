@@ -48,15 +48,34 @@ int parseInt(const char* name, const std::string& text, int low, int high) {
   return static_cast<int>(value);
 }
 
+const char* optionalVar(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : nullptr;
+}
+
 } // namespace
 
 LaunchEnv readLaunchEnv() {
   LaunchEnv env;
   env.worldSize = parseInt("WORLD_SIZE", requireVar("WORLD_SIZE"), 1, 1 << 20);
   env.rank = parseInt("RANK", requireVar("RANK"), 0, env.worldSize - 1);
-  const char* local = std::getenv("LOCAL_RANK");
-  env.localRank = local && *local ? parseInt("LOCAL_RANK", local, 0, env.worldSize - 1) : env.rank;
   env.localWorldSize = localWorldSizeFromEnv(env.worldSize);
+  const int localWorld = env.localWorldSize;
+  const char* local = optionalVar("LOCAL_RANK");
+  env.localRank = local ? parseInt("LOCAL_RANK", local, 0, localWorld - 1) : env.rank % localWorld;
+  const char* group = optionalVar("GROUP_RANK");
+  env.groupRank = group ? parseInt("GROUP_RANK", group, 0, env.worldSize - 1) : env.rank / localWorld;
+  const char* groups = optionalVar("GROUP_WORLD_SIZE");
+  env.groupWorldSize = groups ? parseInt("GROUP_WORLD_SIZE", groups, 1, env.worldSize)
+                              : (env.worldSize + localWorld - 1) / localWorld;
+  TORCH_CHECK(env.groupRank < env.groupWorldSize, "zeroshard: environment variable GROUP_RANK=", env.groupRank,
+              " is out of range [0, ", env.groupWorldSize - 1, "] (GROUP_WORLD_SIZE=", env.groupWorldSize, ")");
+  TORCH_CHECK(env.groupWorldSize * localWorld == env.worldSize, "zeroshard: WORLD_SIZE=", env.worldSize, " is not ",
+              env.groupWorldSize, " nodes (GROUP_WORLD_SIZE) x LOCAL_WORLD_SIZE=", localWorld,
+              "; start the same number of ranks on every node (torchrun --nproc-per-node)");
+  TORCH_CHECK(env.rank == env.groupRank * localWorld + env.localRank, "zeroshard: RANK=", env.rank,
+              " is not GROUP_RANK=", env.groupRank, " x LOCAL_WORLD_SIZE=", localWorld, " + LOCAL_RANK=",
+              env.localRank, ": zeroshard takes a node's ranks to be consecutive, as torchrun numbers them");
   env.masterAddr = requireVar("MASTER_ADDR");
   env.masterPort = parseInt("MASTER_PORT", requireVar("MASTER_PORT"), 1, 65535);
   return env;

@@ -19,12 +19,19 @@ struct LaunchEnv {
   int worldSize = 1;
   int localRank = 0;
   int localWorldSize = 1;  // ranks on this machine: LOCAL_WORLD_SIZE, else the world size
+  int groupRank = 0;       // this machine's index among the nodes: GROUP_RANK
+  int groupWorldSize = 1;  // nodes: GROUP_WORLD_SIZE, else worldSize / localWorldSize
   std::string masterAddr;
   int masterPort = 0;
 };
 
-// Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR and MASTER_PORT. A missing
-// or malformed variable is an error that names it and says how to launch instead.
+// Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK modulo the local world size),
+// LOCAL_WORLD_SIZE, GROUP_RANK (default: RANK / LOCAL_WORLD_SIZE), GROUP_WORLD_SIZE, MASTER_ADDR
+// and MASTER_PORT, as torchrun sets them on every node (on several nodes MASTER_ADDR is the
+// node that serves the rendezvous store). A missing or malformed variable is an error that names
+// it and says how to launch instead; so is a layout other than torchrun's with the same
+// --nproc-per-node on every node (RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK), which a
+// shard group of "node" (consecutive ranks) relies on.
 LaunchEnv readLaunchEnv();
 // The ranks of one node: LOCAL_WORLD_SIZE when set (checked as readLaunchEnv checks it), else
 // `worldSize` (one machine).

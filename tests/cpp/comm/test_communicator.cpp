@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -76,11 +77,13 @@ struct ScopedLaunchEnv {
     set("WORLD_SIZE", world);
     set("MASTER_ADDR", addr);
     set("MASTER_PORT", port);
-    ::unsetenv("LOCAL_RANK");
+    for (const char* name : kNodeVars) ::unsetenv(name);
   }
   ~ScopedLaunchEnv() {
     for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+    for (const char* name : kNodeVars) ::unsetenv(name);
   }
+  static constexpr const char* kNodeVars[] = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"};
   static void set(const char* name, const char* value) {
     if (value) ::setenv(name, value, 1); else ::unsetenv(name);
   }
@@ -117,6 +120,51 @@ TEST_CASE("the torchrun environment is read, and a bad one is named", "[process_
   {
     ScopedLaunchEnv env("0", "2", "127.0.0.1", "http");
     CHECK(launchError().find("MASTER_PORT=\"http\" is not an integer") != std::string::npos);
+  }
+}
+
+TEST_CASE("several nodes: torchrun's node variables are read and a layout it never makes is named",
+          "[process_group]") {
+  auto node = [](const char* rank, const char* local, const char* localWorld, const char* group, const char* groups) {
+    auto env = std::make_unique<ScopedLaunchEnv>(rank, "4", "10.0.0.1", "29500");
+    ScopedLaunchEnv::set("LOCAL_RANK", local);
+    ScopedLaunchEnv::set("LOCAL_WORLD_SIZE", localWorld);
+    ScopedLaunchEnv::set("GROUP_RANK", group);
+    ScopedLaunchEnv::set("GROUP_WORLD_SIZE", groups);
+    return env;
+  };
+  {
+    // torchrun --nnodes 2 --nproc-per-node 2, the second node's second rank.
+    auto env = node("3", "1", "2", "1", "2");
+    const auto launch = zeroshard::readLaunchEnv();
+    CHECK((launch.rank == 3 && launch.localRank == 1 && launch.localWorldSize == 2));
+    CHECK((launch.groupRank == 1 && launch.groupWorldSize == 2 && launch.masterAddr == "10.0.0.1"));
+  }
+  {
+    // Without the node variables: one node; with LOCAL_WORLD_SIZE alone, the node follows.
+    auto one = node("3", nullptr, nullptr, nullptr, nullptr);
+    const auto single = zeroshard::readLaunchEnv();
+    CHECK((single.localRank == 3 && single.groupRank == 0 && single.groupWorldSize == 1));
+    ScopedLaunchEnv::set("LOCAL_WORLD_SIZE", "2");
+    const auto derived = zeroshard::readLaunchEnv();
+    CHECK((derived.localRank == 1 && derived.groupRank == 1 && derived.groupWorldSize == 2));
+  }
+  {
+    auto env = node("2", "0", "2", "0", "2");  // rank 2 is node 1's first rank
+    CHECK(launchError().find("RANK=2 is not GROUP_RANK=0 x LOCAL_WORLD_SIZE=2 + LOCAL_RANK=0") != std::string::npos);
+  }
+  {
+    auto env = node("1", "1", "2", "0", "3");  // 3 nodes of 2 are not a world of 4
+    CHECK(launchError().find("WORLD_SIZE=4 is not 3 nodes (GROUP_WORLD_SIZE) x LOCAL_WORLD_SIZE=2") !=
+          std::string::npos);
+  }
+  {
+    auto env = node("1", "2", "2", "0", "2");
+    CHECK(launchError().find("LOCAL_RANK=2 is out of range [0, 1]") != std::string::npos);
+  }
+  {
+    auto env = node("1", "1", "2", "2", "2");
+    CHECK(launchError().find("GROUP_RANK=2 is out of range [0, 1]") != std::string::npos);
   }
 }
 

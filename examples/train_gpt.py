@@ -9,7 +9,9 @@ parameter in fp32: weights, gradients, exp_avg, exp_avg_sq).
 """
 
 import argparse
+import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -74,6 +76,19 @@ def load_corpus():
     return torch.tensor([index[c] for c in text], dtype=torch.long), len(index)
 
 
+def write_summary(path, engine, losses):
+    """Rank 0 writes what a run can be compared by (json keeps each float exactly); the ranks'
+    launch variables say where torchrun put them: which node (GROUP_RANK) and how many per node."""
+    comm = engine.comm_stats()
+    launch = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    launch["comm_levels"] = sorted(level for level in ("intra", "inter") if level in comm)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, launch)
+    if dist.get_rank() == 0:
+        summary = {"losses": {str(step): loss for step, loss in losses.items()}, "plan": engine.plan(), "ranks": ranks}
+        Path(path).write_text(json.dumps(summary, indent=1))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/zero3.json")
@@ -84,6 +99,9 @@ def main():
                         help="save a sharded checkpoint here every --save-every steps and after the last")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--summary", default=None,
+                        help="write a JSON file at the end: the logged losses in full precision, the plan, and "
+                             "each rank's launch (RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and comm_stats() levels")
     args = parser.parse_args()
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save-dir")
@@ -118,7 +136,7 @@ def main():
         generator.set_state(client_state["batches"])  # the same batches an uninterrupted run would see
         if rank == 0:
             print(f"resumed from {path} at step {first_step}", flush=True)
-    start, tokens, first_loss = time.perf_counter(), 0, None
+    start, tokens, first_loss, logged = time.perf_counter(), 0, None, {}
     for step in range(first_step, args.steps + 1):
         window = torch.zeros((), device=device)
         for _ in range(gas):
@@ -138,10 +156,13 @@ def main():
             dist.all_reduce(window)
             mean = window.item() / world
             first_loss = mean if first_loss is None else first_loss
+            logged[step] = mean
             if rank == 0:
                 rate = tokens / (time.perf_counter() - start)
                 print(f"step {step:5d}  loss {mean:.4f}  ({math.exp(mean):.1f} ppl)  {rate:,.0f} tokens/s", flush=True)
     mem = engine.memory_stats()
+    if args.summary:
+        write_summary(args.summary, engine, logged)
     if rank == 0:
         ddp = 16 * n_params
         print(f"model state per rank: {mem['total'] / 2**20:.2f} MiB (params {mem['params'] / 2**20:.2f}, "

@@ -17,6 +17,7 @@ SHIPPED = {
     "zero1.json": (1, "fp32"),
     "zero2.json": (2, "fp32"),
     "zero3.json": (3, "fp32"),
+    "hybrid.json": (3, "fp32"),
     "bf16.json": (3, "bf16"),
     "fp16.json": (2, "fp16"),
 }

@@ -286,6 +286,7 @@ class Engine {
   Communicator& shardComm() { return shardGroup_ ? *shardGroup_ : comm_; }
   const Communicator& shardComm() const { return shardGroup_ ? *shardGroup_ : comm_; }
   void makeHybridGroups();
+  void checkLayoutAcrossRanks();
   CommStats stepStats() const;
   void resetStepStats();
   void recordStepStats();  // the step's counts into lastStepStats_ and its levels, then reset

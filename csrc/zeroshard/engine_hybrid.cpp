@@ -4,9 +4,11 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/comm/gather_values.h"
 #include "zeroshard/comm/process_group.h"
 
 #include <string>
+#include <vector>
 
 namespace zeroshard {
 
@@ -17,7 +19,12 @@ namespace zeroshard {
 // count of hybrid engines made here, which is the same on every rank (every rank makes the same
 // engines in the same order).
 // hpZ's secondary groups are made the same way, after them.
+//
+// First every rank checks that all ranks planned the same groups: ranks given different
+// configs (one with a shard group, one without) would otherwise wait on groups that never form
+// until the collective timeout, with nothing naming the cause.
 void Engine::makeHybridGroups() {
+  checkLayoutAcrossRanks();
   if (!plan_.twoLevels()) return;
   static int made = 0;
   const std::string prefix = "engine" + std::to_string(made++) + "/";
@@ -36,6 +43,22 @@ void Engine::makeHybridGroups() {
                                        prefix + "replicate/" + std::to_string(ranks.replicate.front()),
                                        comm_.timeout()),
                           comm_.timeout());
+}
+
+void Engine::checkLayoutAcrossRanks() {
+  if (comm_.worldSize() == 1) return;
+  const std::vector<int64_t> mine{plan_.stage(), plan_.shardGroupSize(), plan_.secondaryGroupSize()};
+  const auto all = allGatherValues(comm_, mine, c10::Device(plan_.device()));
+  auto describe = [](const std::vector<int64_t>& v) {
+    return "stage " + std::to_string(v.at(0)) + ", shard groups of " + std::to_string(v.at(1)) + ", hpZ " +
+           (v.at(2) > 1 ? "groups of " + std::to_string(v.at(2)) : std::string("off"));
+  };
+  for (size_t r = 0; r < all.size(); ++r) {
+    TORCH_CHECK(all[r] == mine, "zeroshard: the ranks planned different layouts: rank ", comm_.rank(), " has ",
+                describe(mine), " but rank ", r, " has ", describe(all[r]),
+                "; give every rank the same zero_optimization.stage, shard_group_size / mics_shard_size and "
+                "zero_hpz_partition_size (and, for \"node\", the same LOCAL_WORLD_SIZE)");
+  }
 }
 
 CommStats Engine::stepStats() const {

@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
                 << " accumulation step(s) x " << world << " rank(s), config " << options.config << ", device "
                 << device << "\n";
       for (const auto& warning : engine.config().warnings) std::cout << "config warning: " << warning << "\n";
+      std::cout << "plan:\n" << engine.plan().describe() << "\n";
     }
 
     double firstLoss = 0, lastLoss = 0;
@@ -199,6 +200,11 @@ int main(int argc, char** argv) {
       for (auto kind : {zeroshard::CollectiveKind::kReduceScatter, zeroshard::CollectiveKind::kAllGather,
                         zeroshard::CollectiveKind::kAllReduce}) {
         std::cout << ", " << zeroshard::collectiveName(kind) << " " << comm[kind].bytes << " B";
+      }
+      // Hybrid sharding and hpZ: the bytes inside a node and across nodes.
+      if (engine.plan().twoLevels()) {
+        std::cout << " (inside a node " << engine.intraStats().trafficBytes() << " B, across nodes "
+                  << engine.interStats().trafficBytes() << " B)";
       }
       std::printf("\nfinal loss %.6f (first loss %.6f)\n", lastLoss, firstLoss);
     }

@@ -175,14 +175,18 @@ class Engine:
     def memory_stats(self):
         """Bytes of parameters, gradients and optimizer state this rank holds between steps
         (params, grads, optimizer, total), and peaks of the last step that are not in the
-        total: gathered_peak (stage 3's whole unit parameters), staging_peak (gradient staging
-        buffers) and fp32_grads_peak (fp32 copies of 16-bit gradient shards in the step)."""
+        total: gathered_peak (stage 3's whole unit parameters), secondary_peak (hpZ's secondary
+        shards), staging_peak (gradient staging buffers) and fp32_grads_peak (fp32 copies of
+        16-bit gradient shards in the step). With offload, host_* and device_* split each state
+        by place."""
         return self._core.memory_stats()
 
     def comm_stats(self):
         """Bytes and calls per collective kind in the last optimizer step. With hybrid sharding
         (zeroshard.shard_group_size) also "intra" and "inter": the same inside the shard group
-        and across the groups, which add up to the whole."""
+        and across the groups, which add up to the whole; with hpZ
+        (zero_optimization.zero_hpz_partition_size) "intra" is the secondary groups' backward
+        gathers and "inter" the collectives over the world."""
         return self._core.comm_stats()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None):

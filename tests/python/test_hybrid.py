@@ -61,6 +61,14 @@ def _errors(rank, world_size):
             zeroshard.initialize(make_model(), config)
         except ValueError as e:
             out[name] = str(e)
+    # Ranks given different configs: the first two shard in pairs, the others over the world.
+    config = engine_config(2)
+    if rank < 2:
+        config["zeroshard"]["shard_group_size"] = GROUP
+    try:
+        zeroshard.initialize(make_model(), config)
+    except RuntimeError as e:
+        out["disagree"] = str(e)
     return out
 
 
@@ -127,6 +135,13 @@ def test_what_hybrid_sharding_refuses_is_named(runs):
     for errors in runs.result(WORLD, "errors"):
         assert "needs zero_optimization.stage 1, 2 or 3" in errors["stage0"]
         assert "a shard group of 3 ranks does not divide the world of 4 ranks" in errors["not_a_divisor"]
+    # Every rank names the first rank whose plan differs from its own, at initialize.
+    for rank, errors in enumerate(runs.result(WORLD, "errors")):
+        mine, other = ("shard groups of 2", "shard groups of 4") if rank < 2 else ("shard groups of 4",
+                                                                                  "shard groups of 2")
+        assert "the ranks planned different layouts" in errors["disagree"], errors["disagree"]
+        assert f"rank {rank} has stage 2, {mine}, hpZ off but rank {2 if rank < 2 else 0} has stage 2, {other}" \
+            in errors["disagree"], errors["disagree"]
 
 
 

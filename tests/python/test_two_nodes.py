@@ -30,6 +30,7 @@ from zeroshard.convert import convert
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
+CPP_EXAMPLE = ROOT / "build" / "examples" / "cpp" / "zeroshard_train_example"  # scripts/setup.sh --all
 STEPS, SEQ = 3, 32
 RUN_TIMEOUT = 240  # a run takes ~20 s on 2 cores
 JOIN_TIMEOUT = 3  # seconds the lone node waits for the other in the rendezvous
@@ -41,14 +42,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launcher_command(nnodes, nproc, port, script_args, rdzv_conf=None):
-    """torchrun as one node of `nnodes`, each of `nproc` ranks, meeting at 127.0.0.1:port."""
+def launcher_command(nnodes, nproc, port, script_args, rdzv_conf=None, program=EXAMPLE):
+    """torchrun as one node of `nnodes`, each of `nproc` ranks, meeting at 127.0.0.1:port; a
+    program that is not a .py file is run as it is (--no-python)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", f"two-nodes-{port}", "--local-addr", "127.0.0.1"]
     if rdzv_conf:
         command += ["--rdzv-conf", rdzv_conf]
-    return command + [str(EXAMPLE), *script_args]
+    if Path(program).suffix != ".py":
+        command.append("--no-python")
+    return command + [str(program), *script_args]
 
 
 def _descendants(pid):
@@ -204,3 +208,32 @@ def test_a_node_that_never_joins_fails_the_rendezvous_in_bounded_time(tmp_path):
     assert code != 0 and "RendezvousTimeoutError" in output, _report(results)
     assert "zeroshard stage" not in output, "the job started without its second node"
     assert seconds < JOIN_TIMEOUT + 60, seconds
+
+
+def _cpp_run(tmp, nnodes, shard_group_size):
+    """The C++ example (examples/cpp/train.cpp) under nnodes launchers of 4 // nnodes ranks:
+    rank 0's output, from its plan on."""
+    command = launcher_command(nnodes, 4 // nnodes, _free_port(),
+                               ["--config", str(_config(tmp, shard_group_size)), "--steps", str(STEPS)],
+                               program=CPP_EXAMPLE)
+    logs = [tmp / f"cpp_{nnodes}_{shard_group_size}_{i}.log" for i in range(nnodes)]
+    results, _ = run_launchers([command] * nnodes, logs, RUN_TIMEOUT)
+    assert all(code == 0 for code, _ in results), _report(results)
+    text = "\n".join(out for _, out in results)
+    assert "plan:" in text, _report(results)
+    return text[text.index("plan:"):], _report(results)
+
+
+def test_a_cpp_program_reads_the_nodes_from_torchrun(tmp_path):
+    """initProcessGroupFromEnv under two launchers: "node" is the LOCAL_WORLD_SIZE torchrun set
+    (2 groups of 2, with the bytes inside and across nodes), and the run is line for line the
+    one of a single launcher of 4 with shard groups of 2 given explicitly."""
+    if not CPP_EXAMPLE.exists():
+        pytest.skip(f"{CPP_EXAMPLE} is not built (bash scripts/setup.sh --all builds it)")
+    two, two_report = _cpp_run(tmp_path, 2, "node")
+    one, one_report = _cpp_run(tmp_path, 1, 2)
+    assert "in each of 2 groups of consecutive ranks" in two.splitlines()[1], two_report
+    assert "inside a node" in two and "across nodes" in two, two_report
+    assert [line for line in two.splitlines() if line.startswith(("step", "model state", "last step", "final"))] == \
+        [line for line in one.splitlines() if line.startswith(("step", "model state", "last step", "final"))], \
+        two_report + one_report

@@ -6,9 +6,9 @@
 // Built once from the config and the process group; a value, cheap to copy. Reading it never
 // touches torch (like config.h), so any layer can include it.
 //
-// Today the shard group is the whole world and the replicate group has one member; hybrid
-// sharding (a shard group per node, replication across nodes) will be new values of these
-// fields. Offload (ZeRO-Offload) is the placement: the optimizer state (stages 1-3) and the
+// The ranks: a shard group (the whole world, or k consecutive ranks with hybrid sharding),
+// replicated across the groups, and with hpZ a secondary group for stage-3 backward gathers.
+// Offload (ZeRO-Offload) is the placement: the optimizer state (stages 1-3) and the
 // parameter shards (stage 3) in host memory (docs/offload.md).
 #pragma once
 
@@ -84,6 +84,8 @@ class ShardingPlan {
   bool hpz() const { return secondaryGroupSize_ > 1; }
   // Collectives at two levels (hybrid or hpZ): comm_stats() splits them into intra and inter.
   bool twoLevels() const { return hybrid() || hpz(); }
+  // Where the compute-device states live ("cpu", "cuda:0").
+  const std::string& device() const { return device_; }
   // The ZeRO stage this plan is (recorded in checkpoints, shown to people).
   int64_t stage() const { return stage_; }
 

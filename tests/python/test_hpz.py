@@ -14,8 +14,7 @@ import torch
 from model_state import model_state_bytes, stage3_unit_numels
 from models import make_model
 from spawn import SharedRuns
-from test_mixed_precision import _assert_bf16_close
-from training import MICRO, adamw_reference, engine_config, train_global_batches
+from training import MICRO, adamw_reference, assert_like_adamw, engine_config, train_global_batches
 
 STEPS = 3
 RTOL, ATOL = 1e-4, 1e-5
@@ -109,14 +108,7 @@ def test_hpz_at_every_stage_trains_like_single_process_adamw(runs, case):
     results = runs.result(WORLD, case)
     for stage in ("stage1", "stage2", "stage3"):
         result = results[0][stage]
-        if precision == "fp32":
-            assert result["losses"] == pytest.approx(ref_losses, rel=RTOL), stage
-            for name, ref in ref_state.items():
-                torch.testing.assert_close(result["state"][name], ref, rtol=RTOL, atol=ATOL, msg=f"{stage} {name}")
-        else:
-            assert result["losses"] == pytest.approx(ref_losses, rel=1e-2), stage
-            for name, ref in ref_state.items():
-                _assert_bf16_close(result["state"][name], ref, f"{stage}, {name}")
+        assert_like_adamw(result, ref_losses, ref_state, precision, stage, RTOL, ATOL)
         for other in results[1:]:
             for name, value in result["state"].items():
                 assert torch.equal(other[stage]["state"][name], value), (stage, name)

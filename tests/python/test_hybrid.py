@@ -14,8 +14,7 @@ import torch
 from model_state import model_state_bytes, stage3_unit_numels
 from models import make_model
 from spawn import SharedRuns
-from test_mixed_precision import _assert_bf16_close
-from training import MICRO, adamw_reference, engine_config, train_global_batches
+from training import MICRO, adamw_reference, assert_like_adamw, engine_config, train_global_batches
 
 STEPS = 4
 RTOL, ATOL = 1e-4, 1e-5
@@ -153,14 +152,7 @@ def test_two_groups_of_two_train_like_single_process_adamw(runs, case):
     results = runs.result(WORLD, case)
     for stage in (1, 2, 3):
         result = results[0][stage]
-        if precision == "fp32":
-            assert result["losses"] == pytest.approx(ref_losses, rel=RTOL), stage
-            for name, ref in ref_state.items():
-                torch.testing.assert_close(result["state"][name], ref, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
-        else:
-            assert result["losses"] == pytest.approx(ref_losses, rel=1e-2), stage
-            for name, ref in ref_state.items():
-                _assert_bf16_close(result["state"][name], ref, f"stage {stage}, {name}")
+        assert_like_adamw(result, ref_losses, ref_state, precision, f"stage {stage}", RTOL, ATOL)
         # Every rank ends with the same weights: the groups' copies agree.
         for other in results[1:]:
             for name, value in result["state"].items():

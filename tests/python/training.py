@@ -137,3 +137,21 @@ def adamw_reference(steps, batch, lr=LR, clip=0.0, two_groups=False, precision="
                                precision=precision)
     losses = [reference.step(global_batch(step, batch).to(device)) for step in range(steps)]
     return losses, model.state_dict()
+
+
+def assert_like_adamw(result, ref_losses, ref_state, precision, what, rtol=1e-4, atol=1e-5):
+    """result ({"losses", "state"}) against adamw_reference's: fp32 to rtol / atol, bf16 within
+    bf16's tolerance (the fp32-master recipe: test_mixed_precision's check)."""
+    import pytest
+    import torch
+
+    from test_mixed_precision import _assert_bf16_close
+
+    if precision == "fp32":
+        assert result["losses"] == pytest.approx(ref_losses, rel=rtol), what
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(result["state"][name], ref, rtol=rtol, atol=atol, msg=f"{what} {name}")
+    else:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-2), what
+        for name, ref in ref_state.items():
+            _assert_bf16_close(result["state"][name], ref, f"{what}, {name}")

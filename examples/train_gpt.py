@@ -98,6 +98,10 @@ def main():
     parser.add_argument("--save-dir", default=None,
                         help="save a sharded checkpoint here every --save-every steps and after the last")
     parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--save-every-minutes", type=float, default=0,
+                        help="also save into --save-dir at the first step this many minutes after the last save "
+                             "(zeroshard.checkpoint.every_minutes; rank 0's clock decides): 30-60 on rented "
+                             "machines, with zeroshard.checkpoint.keep_last 2")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     parser.add_argument("--summary", default=None,
                         help="write a JSON file at the end: the logged losses in full precision, the plan, and "
@@ -105,8 +109,14 @@ def main():
     args = parser.parse_args()
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save-dir")
+    if args.save_every_minutes and not args.save_dir:
+        parser.error("--save-every-minutes needs --save-dir")
 
     config = zeroshard.Config.from_file(args.config)
+    if args.save_every_minutes:
+        settings = config.to_dict()
+        settings["zeroshard"]["checkpoint"].update(every_minutes=args.save_every_minutes, dir=args.save_dir)
+        config = zeroshard.Config.from_dict(settings)
     zeroshard.init_distributed(config.zeroshard.collective_timeout_seconds)
     rank, world = dist.get_rank(), dist.get_world_size()
     # One rank per GPU when there are enough GPUs for every rank; the CPU otherwise.
@@ -137,6 +147,10 @@ def main():
         if rank == 0:
             print(f"resumed from {path} at step {first_step}", flush=True)
     start, tokens, first_loss, logged = time.perf_counter(), 0, None, {}
+    step = first_step
+    # A save on the clock happens inside engine.step(), at the end of `step`: the same client
+    # state as the saves below, so --resume goes on from either.
+    engine.clock_client_state = lambda: {"step": step, "batches": generator.get_state()}
     for step in range(first_step, args.steps + 1):
         window = torch.zeros((), device=device)
         for _ in range(gas):

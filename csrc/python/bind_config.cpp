@@ -111,6 +111,10 @@ void bindConfig(py::module_& m) {
       .def_readonly("stage3_unit_classes", &ZeroshardExtras::unitClasses)
       .def_readonly("reduce_dtype", &ZeroshardExtras::reduceDtype)
       .def_readonly("checkpoint_keep_last", &ZeroshardExtras::checkpointKeepLast)
+      .def_readonly("checkpoint_every_minutes", &ZeroshardExtras::checkpointEveryMinutes)
+      .def_readonly("checkpoint_dir", &ZeroshardExtras::checkpointDir)
+      .def_readonly("batch_guard", &ZeroshardExtras::batchGuard)
+      .def_readonly("shard_group_size", &ZeroshardExtras::shardGroupSize)
       .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
 
   m.def(

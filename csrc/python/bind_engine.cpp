@@ -285,14 +285,34 @@ void bindEngine(py::module_& m) {
                };
              }
              LoadedCheckpoint loaded;
+             CollectedWarnings warnings;  // the batch guard's, a scheduler of another type
              {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
                py::gil_scoped_release noGil;
                loaded = e.loadCheckpoint(dir, tag, options);
              }
+             warnings.warnAtCaller();
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
            "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true,
            "check_client_state"_a = py::none(), "load_lr_scheduler_states"_a = true)
+      .def("checkpoint_due", &Engine::checkpointDue, py::call_guard<py::gil_scoped_release>(),
+           "zeroshard.checkpoint.every_minutes: whether this boundary saves (rank 0's clock; collective).")
+      .def("set_clock_saves", &Engine::setClockSaves, "on"_a)
+      .def(
+          "_set_clock",
+          [](Engine& e, const py::object& minutes) {
+            // The engine may be destroyed without the GIL: the callable is released under it.
+            std::shared_ptr<py::object> held(new py::object(minutes), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+            e.setClock([held] {
+              py::gil_scoped_acquire gil;
+              return (*held)().cast<double>();
+            });
+          },
+          "minutes"_a, "Tests: the clock checkpoint_due() reads, a callable returning minutes.")
       .def("set_lr", &Engine::setLearningRate, "lr"_a, "group"_a = -1)
       .def("get_lr", &Engine::learningRate, "group"_a = 0)
       .def("get_lrs", &Engine::learningRates, "Every param group's lr, as the next optimizer step uses it.")

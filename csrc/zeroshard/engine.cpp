@@ -216,6 +216,7 @@ bool Engine::step() {
     taken = takeStep();
   }
   logBoundary();
+  saveOnClock();
   return taken;
 }
 
@@ -364,39 +365,6 @@ void Engine::setModuleState(ModuleState state) {
 
 void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict) {
   setModuleState(moduleStateOf(stateDict, buckets_));
-}
-
-CheckpointedState Engine::checkpointedState() {
-  return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
-          optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, batchSizes_.accumulationSteps, microSteps_,
-          skippedSteps_, schedule_ ? &*schedule_ : nullptr, shardComm().rank(), shardComm().worldSize()};
-}
-
-void Engine::checkBetweenSteps(const char* call) const {
-  TORCH_CHECK(!backwardSinceStep_ && microSteps_ % batchSizes_.accumulationSteps == 0, "zeroshard: ", call,
-              " must be called between optimizer steps (after an engine.step() that ended an "
-              "accumulation window), not inside a window: a checkpoint holds no partial gradients");
-}
-
-std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
-                                   const std::string& rankError) {
-  checkBetweenSteps("save_checkpoint()");
-  return zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
-}
-
-LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
-  checkBetweenSteps("load_checkpoint()");
-  auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
-  params_->reshardAll();
-  masters_->pushToParams(buckets_);
-  params_->afterStep();
-  zeroGrads();
-  // The schedule owns the lr (LoadOptions::loadSchedulerState): the saved groups' values
-  // stand only when they came with the schedule state they belong to.
-  if (schedule_ && schedule_->current() && !(loaded.schedulerStateLoaded && options.optimizerStates)) {
-    applySchedule(*schedule_->current());
-  }
-  return loaded;
 }
 
 } // namespace zeroshard

@@ -210,6 +210,15 @@ class Engine {
                              const std::string& rankError = "");
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
                                   const LoadOptions& options = {});
+  // Checkpoints on a clock (zeroshard.checkpoint.every_minutes and .dir, engine_clock.cpp):
+  // whether this boundary is the first at least that many minutes after the last save (or the
+  // engine's start) by rank 0's clock; collective (every rank calls it at the same boundary,
+  // and all get rank 0's answer); false when the key is off. step() saves into the directory
+  // by itself when it is due, unless setClockSaves(false) (the Python layer saves itself,
+  // after its scheduler step). setClock replaces the clock (minutes, any origin) for tests.
+  bool checkpointDue();
+  void setClockSaves(bool on) { clockSaves_ = on; }
+  void setClock(std::function<double()> minutesNow);
 
   // The model for inference as one file, dir/filename (checkpoint/model_export.h, engine_export.cpp;
   // docs/checkpoints.md): its state dict, trained parameters in the compute dtype, safetensors for
@@ -286,6 +295,8 @@ class Engine {
   Communicator& shardComm() { return shardGroup_ ? *shardGroup_ : comm_; }
   const Communicator& shardComm() const { return shardGroup_ ? *shardGroup_ : comm_; }
   void makeHybridGroups();
+  static double steadyMinutes();
+  void saveOnClock();
   void checkLayoutAcrossRanks();
   CommStats stepStats() const;
   void resetStepStats();
@@ -323,6 +334,9 @@ class Engine {
   CommStats lastInterStats_;
   int64_t lastPeakGatheredBytes_ = 0;
   int64_t lastPeakSecondaryBytes_ = 0;
+  std::function<double()> clock_ = &Engine::steadyMinutes;
+  double lastSaveMinutes_ = steadyMinutes();
+  bool clockSaves_ = true;
   int64_t lastPeakStagingBytes_ = 0;
 };
 

@@ -96,6 +96,11 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self._client_scheduler = lr_scheduler is not None
         self._last_load_stats = None
+        # zeroshard.checkpoint.every_minutes: saved here, after the scheduler's step, through
+        # save_checkpoint (client scheduler state included), not inside the C++ step.
+        core.set_clock_saves(False)
+        # A callable returning the client_state of the checkpoints saved on the clock (None: none).
+        self.clock_client_state = None
 
     def __call__(self, *args, **kwargs):
         self._core.begin_forward()  # wall_clock_breakdown's forward time
@@ -114,7 +119,10 @@ class Engine:
         """Call after every backward; steps the optimizer at the accumulation boundary.
 
         Returns True when the optimizer stepped. A scheduler passed to initialize steps right
-        after, unless fp16 skipped the step for an overflow (as DeepSpeed does)."""
+        after, unless fp16 skipped the step for an overflow (as DeepSpeed does). With
+        zeroshard.checkpoint.every_minutes, the first boundary that many minutes after the last
+        save (rank 0's clock decides for every rank) then saves into zeroshard.checkpoint.dir,
+        with clock_client_state() as its client_state when that is set."""
         boundary = self._core.is_gradient_accumulation_boundary
         if boundary and self.optimizer is not None:
             self.optimizer.push()
@@ -126,6 +134,9 @@ class Engine:
             if self._client_scheduler and self._core.skipped_steps == skipped:
                 self.lr_scheduler.step()
                 self.optimizer.push()
+        if boundary and self._core.checkpoint_due():
+            client_state = self.clock_client_state() if self.clock_client_state is not None else None
+            self.save_checkpoint(self.config.zeroshard.checkpoint_dir, client_state=client_state)
         return stepped
 
     @contextlib.contextmanager

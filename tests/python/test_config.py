@@ -153,6 +153,10 @@ KEY_EFFECTS = {
     "zeroshard.max_inflight_reductions": ("field", r"extras\.maxInflightReductions", 5),
     "zeroshard.checkpoint": ("section", None, None),
     "zeroshard.checkpoint.keep_last": ("field", r"extras\.checkpointKeepLast", 5),
+    # every_minutes alone is refused (it needs dir); test_clock_and_batch.py saves with both.
+    "zeroshard.checkpoint.every_minutes": ("refuses", 30),
+    "zeroshard.checkpoint.dir": ("field", r"checkpoint_dir", "/tmp/ckpt"),
+    "zeroshard.batch_guard": ("field", r"extras\.batchGuard", "error"),
     "steps_per_print": ("field", r"stepsPerPrint", 3),
     "wall_clock_breakdown": ("field", r"wallClockBreakdown", True),
     "scheduler": ("section", None, None),

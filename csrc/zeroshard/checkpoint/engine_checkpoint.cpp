@@ -88,6 +88,7 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
   m.skippedSteps = s.skippedSteps;
   if (s.scaler) m.lossScaler = s.scaler->state();
   if (s.schedule) m.lrSchedule = SavedSchedule{s.schedule->type(), s.schedule->lastBatchIteration()};
+  m.batch = SavedBatch{s.batch.train, s.batch.microPerRank, s.batch.accumulationSteps, s.comm.worldSize()};
   m.configJson = s.config.toJsonString();
   for (int g = 0; g < s.optimizer.numGroups(); ++g) m.groups.push_back(s.optimizer.hyper(g));
   for (size_t b = 0; b < s.buckets.size(); ++b) {
@@ -108,6 +109,12 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
                         std::chrono::system_clock::now().time_since_epoch())
                         .count();
   return m;
+}
+
+std::string describeBatch(int64_t train, int64_t micro, int64_t accumulation, int64_t world) {
+  return std::to_string(train) + " (" + std::to_string(micro) + " per rank x " + std::to_string(accumulation) +
+         " accumulation step" + (accumulation == 1 ? "" : "s") + " x " + std::to_string(world) + " rank" +
+         (world == 1 ? "" : "s") + ")";
 }
 
 void checkCheckpointMatches(const CheckpointedState& s, const CheckpointManifest& m, bool sameGroups) {
@@ -263,6 +270,10 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     TORCH_CHECK(options.rankError.empty(), options.rankError);
     reader = std::make_unique<CheckpointReader>(dir, tag.empty() ? std::nullopt : std::optional<std::string>(tag));
     checkCheckpointMatches(s, reader->manifest(), options.optimizerStates);
+    if (options.optimizerStates && s.config.extras.batchGuard == "error") {
+      const auto change = batchChange(reader->manifest(), s.batch, s.comm.worldSize());
+      TORCH_CHECK(!change, *change, " (zeroshard.batch_guard is \"error\")");
+    }
     for (size_t b = 0; b < s.buckets.size(); ++b) {
       const ShardRange held = heldRange(s, b);
       for (size_t kind = 0; kind < (options.optimizerStates ? kNumKinds : 1); ++kind) {
@@ -305,6 +316,9 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     s.skippedSteps = m.skippedSteps;
     s.microSteps = m.boundaries * s.accumulationSteps;
   }
+  if (options.optimizerStates && s.comm.rank() == 0) {
+    if (const auto change = batchChange(m, s.batch, s.comm.worldSize())) TORCH_WARN(*change);
+  }
   LoadedCheckpoint loaded{reader->path(), m.tag, clientState};
   if (s.schedule && options.loadSchedulerState && m.lrSchedule) {
     // As DeepSpeed's schedulers, whose state_dict is the iteration alone: it is taken whatever
@@ -318,6 +332,27 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     loaded.schedulerStateLoaded = true;
   }
   return loaded;
+}
+
+std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchSizes& batch, int worldSize) {
+  if (!m.batch || m.batch->train == batch.train) return std::nullopt;
+  const auto& saved = *m.batch;
+  std::string text = "zeroshard checkpoint '" + m.tag + "': saved with a global batch of " +
+                     describeBatch(saved.train, saved.microPerRank, saved.accumulationSteps, saved.worldSize) +
+                     ", resumed with " +
+                     describeBatch(batch.train, batch.microPerRank, batch.accumulationSteps, worldSize) +
+                     ": the run goes on with another batch (and so another effective learning rate); ";
+  const int64_t perStep = batch.microPerRank * worldSize;
+  if (saved.train % perStep == 0) {
+    text += "gradient_accumulation_steps " + std::to_string(saved.train / perStep) + " keeps the global batch of " +
+            std::to_string(saved.train);
+  } else {
+    text += "no gradient_accumulation_steps keeps " + std::to_string(saved.train) + " at " +
+            std::to_string(batch.microPerRank) + " per rank on " + std::to_string(worldSize) + " ranks (" +
+            std::to_string(saved.train) + " is not a multiple of " + std::to_string(perStep) +
+            "); change train_micro_batch_size_per_gpu too";
+  }
+  return text;
 }
 
 } // namespace zeroshard

@@ -17,11 +17,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace zeroshard {
+
+struct CheckpointManifest;
 
 // Module state a checkpoint must hold that the engine does not shard: buffers and frozen
 // parameters (whole on every rank), and state-dict names under which a trained parameter
@@ -91,7 +94,15 @@ struct CheckpointedState {
   // reads its own slices on load.
   int shardRank = 0;
   int shardCount = 1;
+  // The batch this run trains with, over comm's world (recorded; the batch guard on load).
+  BatchSizes batch{0, 0, 0};
 };
+
+// The batch guard: when the checkpoint `m` recorded a global batch other than `batch` over
+// `worldSize` ranks, what a person should read (the old and new numbers, and the
+// gradient_accumulation_steps that would keep the old one, when one does); nothing otherwise
+// and for checkpoints that recorded none.
+std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchSizes& batch, int worldSize);
 
 // Collective and blocking. Returns the published checkpoint's path; `tag` empty means
 // "global_step<N>". clientState is saved from rank 0; `rankError`, when not empty, fails the

@@ -58,6 +58,12 @@ Json bodyJson(const CheckpointManifest& m) {
   } else {
     j["loss_scaler"] = nullptr;
   }
+  if (m.batch) {
+    j["batch"] = {{"train_batch_size", m.batch->train},
+                  {"train_micro_batch_size_per_gpu", m.batch->microPerRank},
+                  {"gradient_accumulation_steps", m.batch->accumulationSteps},
+                  {"world_size", m.batch->worldSize}};
+  }
   if (m.lrSchedule) {
     j["lr_scheduler"] = {{"type", m.lrSchedule->type}, {"last_batch_iteration", m.lrSchedule->lastBatchIteration}};
   } else {
@@ -104,6 +110,17 @@ CheckpointManifest fromBody(const Json& j) {
     const auto& s = j.at("loss_scaler");
     m.lossScaler = LossScaler::State{s.at("scale").get<double>(), s.at("hysteresis_left").get<int64_t>(),
                                      s.at("iteration").get<int64_t>(), s.at("last_overflow_iteration").get<int64_t>()};
+  }
+  // Checkpoints written before the batch was recorded have no "batch".
+  if (j.contains("batch") && !j.at("batch").is_null()) {
+    const auto& b = j.at("batch");
+    m.batch = SavedBatch{b.at("train_batch_size").get<int64_t>(), b.at("train_micro_batch_size_per_gpu").get<int64_t>(),
+                         b.at("gradient_accumulation_steps").get<int64_t>(), b.at("world_size").get<int>()};
+    TORCH_CHECK(m.batch->microPerRank > 0 && m.batch->accumulationSteps > 0 && m.batch->worldSize > 0 &&
+                    m.batch->train == m.batch->microPerRank * m.batch->accumulationSteps * m.batch->worldSize,
+                "batch: train_batch_size ", m.batch->train, " is not train_micro_batch_size_per_gpu ",
+                m.batch->microPerRank, " x gradient_accumulation_steps ", m.batch->accumulationSteps, " x world_size ",
+                m.batch->worldSize);
   }
   // Checkpoints written before schedules were saved have no "lr_scheduler".
   if (j.contains("lr_scheduler") && !j.at("lr_scheduler").is_null()) {

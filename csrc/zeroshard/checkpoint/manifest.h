@@ -63,6 +63,16 @@ struct SavedSchedule {
   int64_t lastBatchIteration = -1;
 };
 
+// The batch the run trained with (the batch guard compares it on resume); absent in older
+// checkpoints. worldSize is the data-parallel world, every rank (a hybrid checkpoint is written
+// by one shard group, CheckpointManifest::worldSize).
+struct SavedBatch {
+  int64_t train = 0;
+  int64_t microPerRank = 0;
+  int64_t accumulationSteps = 0;
+  int worldSize = 0;
+};
+
 struct CheckpointManifest {
   int formatVersion = kCheckpointFormatVersion;
   std::string tag;
@@ -74,6 +84,7 @@ struct CheckpointManifest {
   int64_t skippedSteps = 0;
   std::optional<LossScaler::State> lossScaler;
   std::optional<SavedSchedule> lrSchedule;  // "lr_scheduler"; absent in older checkpoints
+  std::optional<SavedBatch> batch;          // "batch"; absent in older checkpoints
   std::string configJson;  // the config the run used, for people and tools
   std::vector<AdamWHyper> groups;
   std::vector<SavedBuffer> buffers;

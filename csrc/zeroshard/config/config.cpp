@@ -196,8 +196,11 @@ std::string Config::toJsonString() const {
                     {"reshard_after_forward", extras.reshardAfterForward},
                     {"stage3_unit_classes", extras.unitClasses},
                     {"reduce_dtype", extras.reduceDtype},
-                    {"checkpoint", {{"keep_last", extras.checkpointKeepLast}}},
-                    {"max_inflight_reductions", extras.maxInflightReductions}};
+                    {"checkpoint", {{"keep_last", extras.checkpointKeepLast},
+                                    {"every_minutes", extras.checkpointEveryMinutes}}},
+                    {"max_inflight_reductions", extras.maxInflightReductions},
+                    {"batch_guard", extras.batchGuard}};
+  if (!extras.checkpointDir.empty()) j["zeroshard"]["checkpoint"]["dir"] = extras.checkpointDir;
   if (extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
     j["zeroshard"]["shard_group_size"] = "node";
   } else if (extras.shardGroupSize > 0) {

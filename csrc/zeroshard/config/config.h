@@ -135,6 +135,14 @@ struct ZeroshardExtras {
   // save_checkpoint keeps this many complete checkpoints in its directory (the newest ones),
   // removing older ones only once the new one is complete; 0 keeps all.
   int64_t checkpointKeepLast = 2;
+  // zeroshard.checkpoint.every_minutes / .dir: save a checkpoint into `dir` at the first
+  // optimizer step that ends this many minutes after the last save (or the engine's start),
+  // rank 0's clock deciding for every rank; 0 = off.
+  double checkpointEveryMinutes = 0;
+  std::string checkpointDir;
+  // Resuming with a global batch other than the checkpoint's: "warn" (once, on rank 0) or
+  // "error" (the load fails on every rank and changes nothing).
+  std::string batchGuard = "warn";
   // Gradient reductions in flight at once during backward (overlap_comm on): launching one more
   // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
   // one being filled exist (as FSDP2 bounds its reduce-scatter states).

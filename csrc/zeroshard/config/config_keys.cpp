@@ -72,9 +72,9 @@ const std::vector<ConfigSection>& allSections() {
       {"tensor_parallel.tp", {"tp_size"}, {}, {"tp_grain_size", "mpu", "tp_group", "enabled"}},
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
-        "checkpoint", "max_inflight_reductions", "shard_group_size"},
+        "checkpoint", "max_inflight_reductions", "shard_group_size", "batch_guard"},
        {}},
-      {"zeroshard.checkpoint", {"keep_last"}, {}},
+      {"zeroshard.checkpoint", {"keep_last", "every_minutes", "dir"}, {}},
   };
   return sections;
 }

@@ -18,6 +18,24 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
     const std::string checkpointPath = join(path, "checkpoint");
     checkKeys(*checkpoint, checkpointPath, configSection("zeroshard.checkpoint"));
     readInt(*checkpoint, checkpointPath, "keep_last", kNonNegativeInt, extras.checkpointKeepLast);
+    readNumber(*checkpoint, checkpointPath, "every_minutes", kNonNegative, extras.checkpointEveryMinutes);
+    const std::string dirKey = join(checkpointPath, "dir");
+    if (const Json* dir = member(*checkpoint, "dir"); dir != nullptr && !dir->is_null() && !takeAuto(*dir, dirKey)) {
+      if (!dir->is_string() || dir->get<std::string>().empty()) {
+        fail(dirKey + ": must be a directory path (a non-empty string), got " + describe(*dir));
+      }
+      extras.checkpointDir = dir->get<std::string>();
+    }
+    if (extras.checkpointEveryMinutes > 0 && extras.checkpointDir.empty()) {
+      fail(join(checkpointPath, "every_minutes") + ": saving every " + describe(checkpoint->at("every_minutes")) +
+           " minutes needs " + dirKey + ", the directory to save into");
+    }
+  }
+  if (const Json* value = member(o, "batch_guard"); value != nullptr && !takeAuto(*value, join(path, "batch_guard"))) {
+    if (!value->is_string() || (*value != "warn" && *value != "error")) {
+      fail(join(path, "batch_guard") + ": must be \"warn\" or \"error\", got " + describe(*value));
+    }
+    extras.batchGuard = value->get<std::string>();
   }
   if (const Json* value = member(o, "reduce_dtype"); value != nullptr && !takeAuto(*value, join(path, "reduce_dtype"))) {
     if (!value->is_string() || (*value != "compute" && *value != "fp32")) {

@@ -1,0 +1,85 @@
+// Engine's checkpoints (the format and protocol: checkpoint/engine_checkpoint.h), and
+// checkpoints on a clock (zeroshard.checkpoint.every_minutes): rank 0's clock decides, at an
+// optimizer step's boundary, and every rank learns its decision from one broadcast, so the ranks
+// never disagree on whether to save (their clocks may).
+#include "zeroshard/engine.h"
+
+#include "zeroshard/checkpoint/engine_checkpoint.h"
+#include "zeroshard/layout/param_storage.h"
+
+#include <ATen/ops/full.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+namespace zeroshard {
+
+CheckpointedState Engine::checkpointedState() {
+  return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
+          optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, batchSizes_.accumulationSteps, microSteps_,
+          skippedSteps_, schedule_ ? &*schedule_ : nullptr, shardComm().rank(), shardComm().worldSize(),
+          batchSizes_};
+}
+
+void Engine::checkBetweenSteps(const char* call) const {
+  TORCH_CHECK(!backwardSinceStep_ && microSteps_ % batchSizes_.accumulationSteps == 0, "zeroshard: ", call,
+              " must be called between optimizer steps (after an engine.step() that ended an "
+              "accumulation window), not inside a window: a checkpoint holds no partial gradients");
+}
+
+std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
+                                   const std::string& rankError) {
+  checkBetweenSteps("save_checkpoint()");
+  auto path = zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
+  lastSaveMinutes_ = clock_();  // the clock (checkpointDue) counts from the last save
+  return path;
+}
+
+LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
+  checkBetweenSteps("load_checkpoint()");
+  auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
+  params_->reshardAll();
+  masters_->pushToParams(buckets_);
+  params_->afterStep();
+  zeroGrads();
+  // The schedule owns the lr (LoadOptions::loadSchedulerState): the saved groups' values
+  // stand only when they came with the schedule state they belong to.
+  if (schedule_ && schedule_->current() && !(loaded.schedulerStateLoaded && options.optimizerStates)) {
+    applySchedule(*schedule_->current());
+  }
+  return loaded;
+}
+
+double Engine::steadyMinutes() {
+  using Minutes = std::chrono::duration<double, std::ratio<60>>;
+  return std::chrono::duration_cast<Minutes>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Engine::setClock(std::function<double()> minutesNow) {
+  clock_ = std::move(minutesNow);
+  lastSaveMinutes_ = clock_();
+}
+
+// The flag goes over the group's CPU backend when it has one (Gloo beside NCCL, as
+// zeroshard's own process groups are): a host-side collective, no device synchronisation.
+bool Engine::checkpointDue() {
+  const double every = config_.extras.checkpointEveryMinutes;
+  if (every <= 0) return false;
+  const bool due = comm_.rank() == 0 && clock_() - lastSaveMinutes_ >= every;
+  const bool onCpu = comm_.group()->hasBackendForDeviceType(c10::DeviceType::CPU);
+  const at::Device device = onCpu ? at::Device(at::kCPU) : buckets_.front().flatParams().device();
+  at::Tensor flag = at::full({1}, due ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device));
+  {
+    const UncountedCollectives uncounted(comm_);
+    comm_.broadcast(flag, 0).wait();
+  }
+  return flag.item<float>() > 0;
+}
+
+void Engine::saveOnClock() {
+  if (clockSaves_ && checkpointDue()) saveCheckpoint(config_.extras.checkpointDir);
+}
+
+} // namespace zeroshard

@@ -172,6 +172,16 @@ def test_activations_follow_korthikanti(capsys):
     assert plain["total"] == plain["device"]["model_states"] + sum(plain["transient"].values()) + plain["activations"]
 
 
+def test_layers_alone_estimate_stage3_units(capsys):
+    """--params with --layers: L equal units, the one in use and the one prefetched gathered."""
+    bare = {s["stage"]: s for s in _plan_json(capsys, "--params", "8e9", "--gpus", "8")["plans"][0]["setups"]}
+    doc = _plan_json(capsys, "--params", "8e9", "--gpus", "8", "--layers", "32")
+    stage3 = {s["stage"]: s for s in doc["plans"][0]["setups"]}[3]
+    assert stage3["transient"]["gathered"] == 2 * 2 * 8 * GB // 32
+    assert any("gathered units" in m for m in bare[3]["not_counted"])
+    assert not any("gathered units" in m for m in stage3["not_counted"])
+
+
 def test_a_module_factory_is_counted_on_the_meta_device(capsys):
     doc = _plan_json(capsys, "--module", "models:make_model", "--gpus", "2", "--dtype", "fp32")
     states = {s["stage"]: s["device"] for s in doc["plans"][0]["setups"]}
@@ -226,7 +236,7 @@ def test_errors_name_the_flag_or_key(capsys, tmp_path):
     assert "argument --gpu-memory" in _error(capsys, "plan", "--params", "8e9", "--gpu-memory", "80XB")
     assert "argument --shard-group: 3 must divide --gpus 8" in _error(capsys, "plan", "--params", "8e9",
                                                                       "--shard-group", "3")
-    assert "--hidden, --layers and --heads go together" in _error(capsys, "plan", "--params", "8e9", "--layers", "8")
+    assert "--hidden, --layers and --heads go together" in _error(capsys, "plan", "--params", "8e9", "--hidden", "8")
     assert "one of the arguments --params --model --module is required" in _error(capsys, "plan")
     assert "argument --module" in _error(capsys, "plan", "--module", "no_such_package:build")
     bad = tmp_path / "ds.json"
@@ -249,3 +259,13 @@ def test_commands_dispatch_and_usage_names_both(capsys, monkeypatch):
 def test_a_cli_error_exits_2_without_a_traceback():
     done = _cli("plan", "--params", "8e9", "--link", "warp-drive")
     assert done.returncode == 2 and "Traceback" not in done.stderr and "argument --link" in done.stderr
+
+
+@pytest.mark.parametrize("params", ["8e9", "7e10"])
+def test_the_readme_tables_are_the_planners(capsys, params):
+    args = ["--params", params, "--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB", "--offload"]
+    assert zeroshard_main(["plan", *args]) == 0
+    table = "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("|"))
+    readme = (ROOT / "README.md").read_text()
+    assert f"python -m zeroshard plan {' '.join(args)}" in readme
+    assert table in readme, "README.md's 'Before you rent' table is not what the planner prints now"

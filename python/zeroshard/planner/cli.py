@@ -122,7 +122,7 @@ def _module_source(parser, spec, unit_classes):
 def model_source(parser, args, unit_classes=()):
     given = [args.hidden, args.layers, args.heads]
     shape = None
-    if any(given):
+    if args.hidden or args.heads:  # --layers alone is enough for stage-3 units
         if not all(given):
             parser.error("arguments --hidden, --layers and --heads go together (activations need all three)")
         shape = TransformerShape(args.hidden, args.layers, args.heads, args.vocab or 0)

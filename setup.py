@@ -59,7 +59,7 @@ setup(
     version="0.1.0",
     description="ZeRO stages 1-3 sharding engine for PyTorch, written as a LibTorch extension",
     package_dir={"": "python"},
-    packages=["zeroshard", "zeroshard.planner"],
+    packages=["zeroshard", "zeroshard.deepspeed", "zeroshard.planner"],
     ext_modules=[CMakeExtension("zeroshard._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",

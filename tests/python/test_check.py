@@ -186,7 +186,7 @@ def _run(command, env, cwd):
 
 
 def test_a_size_below_one_element_per_rank_is_an_error_naming_the_flag(tmp_path):
-    code, out, err = _run([sys.executable, "-m", "zeroshard.check", "--sizes", "2B"], _env(), tmp_path)
+    code, out, err = _run([sys.executable, "-m", "zeroshard", "check", "--sizes", "2B"], _env(), tmp_path)
     assert code == 2, out + err
     assert "zeroshard check: error: --sizes: 2 B is less than one float32 per rank" in err
 
@@ -207,7 +207,7 @@ def two_ranks(tmp_path_factory):
         """))
     fake.chmod(0o755)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "zeroshard.check", "--sizes", ",".join(map(str, SIZES)), "--iters", "2", "--warmup", "1",
+               "-m", "zeroshard", "check", "--sizes", ",".join(map(str, SIZES)), "--iters", "2", "--warmup", "1",
                "--grad-size", "64KiB", "--compute", "0.1G", "--timeout", "60", "--json", str(tmp / "out.json")]
     env = _env(PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     code, out, err = _run(command, env, tmp)

@@ -266,8 +266,15 @@ void bindEngine(py::module_& m) {
            [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState,
               const std::string& rankError) {
              std::string bytes = clientState;
-             py::gil_scoped_release noGil;
-             return e.saveCheckpoint(dir, tag, bytes, rankError);
+             CollectedWarnings warnings;  // e.g. older checkpoints that could not be removed
+             std::string path;
+             {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+               py::gil_scoped_release noGil;
+               path = e.saveCheckpoint(dir, tag, bytes, rankError);
+             }
+             warnings.warnAtCaller();
+             return path;
            },
            "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",
@@ -285,10 +292,13 @@ void bindEngine(py::module_& m) {
                };
              }
              LoadedCheckpoint loaded;
+             CollectedWarnings warnings;  // e.g. a scheduler of another type than the saved one
              {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
                py::gil_scoped_release noGil;
                loaded = e.loadCheckpoint(dir, tag, options);
              }
+             warnings.warnAtCaller();
              return py::make_tuple(loaded.path, loaded.tag, py::bytes(loaded.clientState));
            },
            "dir"_a, "tag"_a = "", "rank_error"_a = "", "load_optimizer_states"_a = true,

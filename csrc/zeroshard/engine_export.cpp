@@ -37,11 +37,15 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
                             ModelExportStats* stats) {
   const fs::path target = fs::path(dir) / filename;
   if (plan_.paramsSharded() && !config_.zero.gather16bitWeightsOnModelSave) {
-    // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards.
-    TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(), "': at stage 3 the weights must be ",
-               "gathered to be saved, which zero_optimization.stage3_gather_16bit_weights_on_model_save = true "
-               "allows (one unit is gathered at a time); or save a sharded checkpoint with save_checkpoint() "
-               "and convert it (python -m zeroshard.convert)");
+    // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards. Every
+    // rank returns false; rank 0 says why (the same words on every rank).
+    if (comm_.rank() == 0) {
+      TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(),
+                 "': at stage 3 the weights must be gathered to be saved, which "
+                 "zero_optimization.stage3_gather_16bit_weights_on_model_save = true allows (one unit is gathered "
+                 "at a time); or save a sharded checkpoint with save_checkpoint() and convert it "
+                 "(python -m zeroshard.convert)");
+    }
     return false;
   }
   const ModelFileFormat format = modelFileFormatOf(filename);

@@ -309,7 +309,7 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
   if (s.schedule && options.loadSchedulerState && m.lrSchedule) {
     // As DeepSpeed's schedulers, whose state_dict is the iteration alone: it is taken whatever
     // the saved type, which only a person can judge.
-    if (m.lrSchedule->type != s.schedule->type()) {
+    if (m.lrSchedule->type != s.schedule->type() && s.comm.rank() == 0) {  // the same on every rank
       TORCH_WARN("zeroshard checkpoint '", m.tag, "': saved with scheduler ", m.lrSchedule->type,
                  ", resumed with ", s.schedule->type(), "; its last_batch_iteration (",
                  m.lrSchedule->lastBatchIteration, ") is taken as it is");

@@ -5,8 +5,11 @@
 
 #include "zeroshard/checkpoint/convert.h"
 #include "zeroshard/checkpoint/reader.h"
+#include "zeroshard/progress.h"
 
+#include <memory>
 #include <optional>
+#include <utility>
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -30,11 +33,23 @@ void bindCheckpoint(py::module_& m) {
            "The full tensor for a state-dict name, on CPU (trained parameters: fp32 master weights).")
       .def("client_state", [](CheckpointReader& r) { return py::bytes(r.readClientState()); })
       .def("write_safetensors",
-           [](CheckpointReader& r, const std::string& out, std::optional<at::ScalarType> dtype) {
+           [](CheckpointReader& r, const std::string& out, std::optional<at::ScalarType> dtype,
+              std::optional<int> progressRank) {
              py::gil_scoped_release noGil;
-             return writeConsolidatedSafetensors(r, out, dtype);
+             return writeConsolidatedSafetensors(r, out, dtype,
+                                                 progressRank ? terminalProgress(*progressRank) : ProgressOutput{});
            },
-           "out"_a, "dtype"_a = py::none());
+           "out"_a, "dtype"_a = py::none(), "progress_rank"_a = py::none(),
+           "progress_rank: this process's rank; on rank 0 a progress line goes to stderr when it is a terminal.");
+  // The same line for loops written in Python (convert's torch.save format).
+  py::class_<Progress>(m, "_Progress", "zeroshard/progress.h: one updating line on stderr, on rank 0 at a terminal.")
+      .def(py::init([](std::string title, int64_t total, std::string unit, int rank) {
+             return std::make_unique<Progress>(std::move(title), total, std::move(unit), terminalProgress(rank));
+           }),
+           "title"_a, "total"_a, "unit"_a, "rank"_a)
+      .def("advance", &Progress::advance, "bytes"_a)
+      .def("finish", &Progress::finish)
+      .def("stop", &Progress::stop);
 }
 
 } // namespace zeroshard::python

@@ -17,8 +17,9 @@ namespace py = pybind11;
 namespace zeroshard::python {
 namespace {
 
-// DeepSpeed keys zeroshard ignores reach Python users as UserWarnings, once per config read,
-// attributed to the user's line (the first frame outside the zeroshard package).
+// DeepSpeed keys zeroshard ignores reach Python users as UserWarnings, once per config read on
+// rank 0 (Note [rank-0 warnings], zeroshard/_warnings.py), attributed to the user's line (the
+// first frame outside the zeroshard package).
 Config warned(Config config) {
   if (!config.warnings.empty()) {
     const py::object warn = py::module_::import("zeroshard._warnings").attr("warn_at_caller");

@@ -266,8 +266,15 @@ void bindEngine(py::module_& m) {
            [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState,
               const std::string& rankError) {
              std::string bytes = clientState;
-             py::gil_scoped_release noGil;
-             return e.saveCheckpoint(dir, tag, bytes, rankError);
+             CollectedWarnings warnings;  // e.g. older checkpoints that could not be removed
+             std::string path;
+             {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+               py::gil_scoped_release noGil;
+               path = e.saveCheckpoint(dir, tag, bytes, rankError);
+             }
+             warnings.warnAtCaller();
+             return path;
            },
            "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
       .def("load_checkpoint",

@@ -16,7 +16,8 @@ namespace zeroshard::python {
 
 void CollectedWarnings::warnAtCaller() const {
   const pybind11::object warn = pybind11::module_::import("zeroshard._warnings").attr("warn_at_caller");
-  for (const auto& message : messages) warn(message);
+  // The C++ core already warned only where it should (rank 0, or the rank a warning is about).
+  for (const auto& message : messages) warn(message, "every_rank"_a = true);
 }
 
 

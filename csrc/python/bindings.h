@@ -50,7 +50,8 @@ pybind11::dict commStatsDict(const CommStats& stats);
 
 // Keeps the TORCH_WARN messages made on this thread while installed (c10's
 // WarningHandlerGuard), to hand them to zeroshard._warnings.warn_at_caller with the GIL held
-// after the call, which attributes them to the user's line.
+// after the call, which attributes them to the user's line. Every one collected is warned: the
+// core made them only on the rank they are for (rank 0 for what every rank would say).
 class CollectedWarnings final : public c10::WarningHandler {
  public:
   void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }

@@ -226,7 +226,7 @@ class Engine {
   // calls it outside forward and backward; rank 0 writes (creating dir), streaming each tensor as
   // it is whole (stage 3: one unit gathered at a time). Returns true when written; at stage 3
   // without zero_optimization.stage3_gather_16bit_weights_on_model_save it writes nothing,
-  // TORCH_WARNs (C++ programs: on stderr, through c10's warning handler) and returns false, as
+  // TORCH_WARNs on rank 0 (C++ programs: on stderr, through c10's warning handler) and returns false, as
   // DeepSpeed does. On any rank's error it fails on every rank, leaving no partial file.
   bool save16bitModel(const std::string& dir, const std::string& filename = "model.safetensors",
                       const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);

@@ -15,6 +15,7 @@
 
 #include "zeroshard/checkpoint/checked_file.h"
 #include "zeroshard/comm/agreement.h"
+#include "zeroshard/progress.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -37,11 +38,15 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
                             ModelExportStats* stats) {
   const fs::path target = fs::path(dir) / filename;
   if (plan_.paramsSharded() && !config_.zero.gather16bitWeightsOnModelSave) {
-    // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards.
-    TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(), "': at stage 3 the weights must be ",
-               "gathered to be saved, which zero_optimization.stage3_gather_16bit_weights_on_model_save = true "
-               "allows (one unit is gathered at a time); or save a sharded checkpoint with save_checkpoint() "
-               "and convert it (python -m zeroshard.convert)");
+    // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards. Every
+    // rank returns false; rank 0 says why (the same words on every rank).
+    if (comm_.rank() == 0) {
+      TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(),
+                 "': at stage 3 the weights must be gathered to be saved, which "
+                 "zero_optimization.stage3_gather_16bit_weights_on_model_save = true allows (one unit is gathered "
+                 "at a time); or save a sharded checkpoint with save_checkpoint() and convert it "
+                 "(python -m zeroshard.convert)");
+    }
     return false;
   }
   const ModelFileFormat format = modelFileFormatOf(filename);
@@ -56,6 +61,8 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   ModelExportStats result;
   result.path = target.string();
   result.tensors = static_cast<int64_t>(exported.tensors.size());
+  Progress progress("save_16bit_model '" + target.string() + "'", result.tensors, "tensors",
+                    terminalProgress(comm_.rank()));  // rank 0 writes every tensor
 
   std::optional<ModelFileWriter> writer;
   std::string writeError;  // rank 0's first error while streaming (Note [streamed export])
@@ -91,9 +98,13 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
             if (source.bucket) {
               const Bucket& b = buckets_[*source.bucket];
               const auto& place = b.layout().params()[source.param];
-              writer->write(b.flatParams().narrow(0, place.offset, place.numel).view(place.shape));
+              const at::Tensor value = b.flatParams().narrow(0, place.offset, place.numel);
+              writer->write(value.view(place.shape));
+              progress.advance(static_cast<int64_t>(value.nbytes()));
             } else {
-              writer->write(moduleState_.tensors[source.moduleTensor].second.detach());
+              const at::Tensor& value = moduleState_.tensors[source.moduleTensor].second;
+              writer->write(value.detach());
+              progress.advance(static_cast<int64_t>(value.nbytes()));
             }
           }
         } catch (const std::exception& e) {
@@ -111,6 +122,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
       fs::rename(staging, target);
       syncDirectory(dir);
     });
+    progress.finish();
   } catch (...) {
     if (writes) removeStaging();
     throw;

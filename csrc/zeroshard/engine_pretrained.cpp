@@ -19,7 +19,9 @@
 #include "zeroshard/checkpoint/pretrained.h"
 #include "zeroshard/comm/agreement.h"
 #include "zeroshard/layout/param_targets.h"
+#include "zeroshard/progress.h"
 
+#include <algorithm>
 #include <memory>
 
 namespace zeroshard {
@@ -38,6 +40,12 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
   });
 
   PretrainedLoad result;
+  int64_t sources = 0;  // the tensors read from the files
+  auto found = [](const auto* source) { return source != nullptr; };
+  for (const auto& bucket : match.params) sources += std::count_if(bucket.begin(), bucket.end(), found);
+  sources += std::count_if(match.moduleState.begin(), match.moduleState.end(), found);
+  // Rank 0's share (Note [progress where a person watches]): the bytes are those it reads.
+  Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(comm_.rank()));
   agreeAcrossRanks(
       comm_, device, "load_pretrained: loading '" + path + "'",
       "the weights may be partly loaded (the files were checked first, so one changed or failed while being "
@@ -53,13 +61,17 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
             const auto* source = match.params[b][i];
             if (source == nullptr) continue;
             const ShardRange range = targets.needed({params[i].offset, params[i].offset + params[i].numel});
-            if (range.numel() == 0) continue;
+            if (range.numel() == 0) {
+              progress.advance(0);
+              continue;
+            }
             SafetensorsFile& file = files->file(source->file);
             const int64_t before = file.dataBytesRead();
             at::Tensor value = at::empty({range.numel()}, at::TensorOptions().dtype(at::kFloat));
             file.readFloat(*source->entry, range.begin - params[i].offset, range.numel(), value.data_ptr<float>());
             result.paramBytesRead += file.dataBytesRead() - before;
             targets.write(value.to(device), range);
+            progress.advance(file.dataBytesRead() - before);
           }
         }
         for (size_t i = 0; i < moduleState_.tensors.size(); ++i) {
@@ -70,8 +82,10 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
           // Converted to the tensor's own dtype (an integer buffer is copied as it is).
           moduleState_.tensors[i].second.detach().copy_(file.read(*source->entry));
           result.moduleStateBytesRead += file.dataBytesRead() - before;
+          progress.advance(file.dataBytesRead() - before);
         }
       });
+  progress.finish();
   for (size_t f = 0; f < files->numFiles(); ++f) {
     result.files.push_back(files->file(f).path());
     result.headerBytesRead += files->file(f).headerBytesRead();

@@ -5,7 +5,7 @@ with --tag). OUT ends in .safetensors or .pt. The result holds full tensors unde
 own state-dict names and loads with model.load_state_dict(..., strict=True): the trained
 parameters in --dtype, buffers and frozen parameters as the model held them. No GPU and no
 process group are needed; tensors are read, checked and written one at a time, so memory
-stays bounded by the largest tensor.
+stays bounded by the largest tensor. At a terminal, a line on stderr shows the progress.
 """
 
 import argparse
@@ -18,6 +18,7 @@ from collections import OrderedDict
 import torch
 
 from zeroshard import _C
+from zeroshard._rank import this_rank
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -29,7 +30,7 @@ def convert(checkpoint, out, tag=None, dtype="fp32"):
     reader = _C.CheckpointReader(os.fspath(checkpoint), tag)
     out = os.fspath(out)
     if out.endswith(".safetensors"):
-        return reader.write_safetensors(out, _DTYPES[dtype])
+        return reader.write_safetensors(out, _DTYPES[dtype], progress_rank=this_rank())
     if out.endswith(".pt") or out.endswith(".pth") or out.endswith(".bin"):
         return _write_torch_file(reader, out, _DTYPES[dtype])
     raise ValueError(f"zeroshard.convert: {out!r} must end in .safetensors or .pt")
@@ -76,6 +77,7 @@ def _write_torch_file(reader, out, dtype):
     the records) is written last."""
     names = reader.state_dict_names()
     partial = os.path.join(os.path.dirname(out) or ".", "." + os.path.basename(out) + ".partial")
+    progress = _C._Progress(f"convert '{reader.path}'", len(names), "tensors", this_rank())
     # The writer puts every record under one archive folder, as torch.save does.
     try:
         writer = torch._C.PyTorchFileWriter(partial)
@@ -91,6 +93,7 @@ def _write_torch_file(reader, out, dtype):
             writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
             state[name] = _TensorRef(_StorageRef(key, tensor.dtype, tensor.numel()), list(tensor.shape))
             del tensor
+            progress.advance(nbytes)
         buffer = io.BytesIO()
         _Pickler(buffer, protocol=2).dump(state)
         data = buffer.getvalue()
@@ -99,7 +102,9 @@ def _write_torch_file(reader, out, dtype):
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         writer.write_end_of_file()
         os.replace(partial, out)
+        progress.finish()
     except BaseException:
+        progress.stop()  # the error is printed on a line of its own
         if os.path.exists(partial):
             os.remove(partial)  # never leave a partial file behind
         raise

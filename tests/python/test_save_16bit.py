@@ -133,9 +133,9 @@ def test_the_file_holds_the_full_state_dict_bitwise_at_every_stage(runs, exports
 def test_stage_3_without_the_gather_flag_writes_nothing_warns_and_returns_false(runs, exports):
     out = _out(exports, "no_gather_flag")
     results = runs.result(2, "no_gather_flag")
-    for saved, caught, _ in results:
+    for rank, (saved, caught, _) in enumerate(results):
         assert saved == [False, False]
-        assert len(caught) == 2
+        assert len(caught) == (2 if rank == 0 else 0)  # the same words on every rank: rank 0 says them
         for message, filename in caught:
             assert "stage3_gather_16bit_weights_on_model_save" in message and "did not save" in message
             assert filename == __file__  # the user's line, not zeroshard's

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <utility>
 
 namespace zeroshard {
 namespace {
@@ -38,7 +39,7 @@ TensorEntry entryOf(const CheckpointReader& reader, const std::string& name, std
 } // namespace
 
 size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string& out,
-                                    std::optional<at::ScalarType> dtype) {
+                                    std::optional<at::ScalarType> dtype, ProgressOutput progressOutput) {
   const auto names = reader.stateDictNames();
   std::vector<TensorEntry> entries;
   for (const auto& name : names) entries.push_back(entryOf(reader, name, dtype));
@@ -55,12 +56,16 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
   const at::Tensor values = at::empty({largest}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor cast;
   if (dtype && *dtype != at::kFloat) cast = at::empty({largest}, at::TensorOptions().dtype(*dtype));
+  Progress progress("convert '" + reader.path() + "'", static_cast<int64_t>(names.size()), "tensors",
+                    std::move(progressOutput));
   try {
     SafetensorsWriter writer(staging.string(), entries, {{"format", "pt"}});
     for (size_t i = 0; i < names.size(); ++i) {
       const SavedParam* param = reader.paramOfStateDictEntry(names[i]);
       if (!param) {
-        writer.write(reader.readModuleState(names[i]));  // buffers: small, kept as saved
+        const at::Tensor t = reader.readModuleState(names[i]);  // buffers: small, kept as saved
+        writer.write(t);
+        progress.advance(static_cast<int64_t>(t.nbytes()));
         continue;
       }
       const at::Tensor v = values.narrow(0, 0, param->numel());
@@ -72,9 +77,11 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
         c.copy_(v);
         writer.write(c);
       }
+      progress.advance(param->numel() * static_cast<int64_t>(c10::elementSize(entries[i].dtype)));
     }
     writer.finish(target.filename().string());
     fs::rename(staging, target);
+    progress.finish();
   } catch (...) {
     std::error_code ignored;
     fs::remove(staging, ignored);  // never leave a partial file behind

@@ -11,6 +11,7 @@
 #include "zeroshard/checkpoint/safetensors.h"
 #include "zeroshard/comm/agreement.h"
 #include "zeroshard/comm/gather_values.h"
+#include "zeroshard/progress.h"
 
 #include <algorithm>
 #include <chrono>
@@ -58,7 +59,7 @@ at::Tensor savedShard(const CheckpointedState& s, size_t bucket, size_t kind) {
   return out;
 }
 
-FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir) {
+FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir, Progress& progress) {
   const int rank = s.shardRank;
   const std::string name = CheckpointManifest::rankFileName(rank);
   std::vector<TensorEntry> entries;
@@ -71,7 +72,11 @@ FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir) {
   SafetensorsWriter writer((fs::path(dir) / name).string(), std::move(entries),
                            {{"format", "pt"}, {"zeroshard_rank", std::to_string(rank)}});
   for (size_t b = 0; b < s.buckets.size(); ++b) {
-    for (size_t kind = 0; kind < kNumKinds; ++kind) writer.write(savedShard(s, b, kind));
+    for (size_t kind = 0; kind < kNumKinds; ++kind) {
+      const at::Tensor shard = savedShard(s, b, kind);
+      writer.write(shard);
+      progress.advance(static_cast<int64_t>(shard.nbytes()));
+    }
   }
   return writer.finish(name);
 }
@@ -217,6 +222,10 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
   const std::string what = "checkpoint: saving '" + checkpointPath(dir, tag) + "'";
   const std::string outcome = "nothing was published; the previous checkpoints and 'latest' are as they were";
   const auto device = deviceOf(s);
+  // Rank 0's share (Note [progress where a person watches]): its shard file, then the module state.
+  Progress progress("save '" + tag + "'",
+                    static_cast<int64_t>(kNumKinds * s.buckets.size() + s.moduleState.tensors.size()), "tensors",
+                    terminalProgress(rank));
 
   agreeAcrossRanks(s.comm, device, what, outcome, [&] {
     TORCH_CHECK(rankError.empty(), rankError);
@@ -225,14 +234,17 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
   std::vector<FileDigest> digests;
   agreeAcrossRanks(s.comm, device, what, outcome, [&] {
     // The first shard group's ranks hold every shard once (the other groups' are copies).
-    if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging));
+    if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging, progress));
     if (rank != 0) return;
     const auto& tensors = s.moduleState.tensors;
     if (!tensors.empty()) {
       std::vector<TensorEntry> entries;
       for (const auto& [name, t] : tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
       SafetensorsWriter writer((fs::path(staging) / kModuleStateFile).string(), std::move(entries), {{"format", "pt"}});
-      for (const auto& [name, t] : tensors) writer.write(t.detach());
+      for (const auto& [name, t] : tensors) {
+        writer.write(t.detach());
+        progress.advance(static_cast<int64_t>(t.nbytes()));
+      }
       digests.push_back(writer.finish(kModuleStateFile));
     }
     if (!clientState.empty()) {
@@ -254,6 +266,7 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
                  "zeroshard.checkpoint.keep_last = ", keep, ") failed: ", e.what());
     }
   });
+  progress.finish();
   return checkpointPath(dir, tag);
 }
 
@@ -266,6 +279,10 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
   std::vector<std::vector<at::Tensor>> staged(s.buckets.size());
   std::vector<at::Tensor> moduleTensors;
   std::string clientState;
+  const size_t kinds = options.optimizerStates ? kNumKinds : 1;
+  Progress progress("load '" + (tag.empty() ? dir : (fs::path(dir) / tag).string()) + "'",
+                    static_cast<int64_t>(kinds * s.buckets.size() + s.moduleState.tensors.size()), "tensors",
+                    terminalProgress(s.comm.rank()));
   agreeAcrossRanks(s.comm, deviceOf(s), "checkpoint: loading from '" + dir + "'", "no rank changed anything", [&] {
     TORCH_CHECK(options.rankError.empty(), options.rankError);
     reader = std::make_unique<CheckpointReader>(dir, tag.empty() ? std::nullopt : std::optional<std::string>(tag));
@@ -284,9 +301,13 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
                             piece.paramEnd, values.data_ptr<float>() + piece.shardOffset);
         }
         staged[b].push_back(values);
+        progress.advance(static_cast<int64_t>(values.nbytes()));
       }
     }
-    for (const auto& [name, t] : s.moduleState.tensors) moduleTensors.push_back(reader->readModuleState(name));
+    for (const auto& [name, t] : s.moduleState.tensors) {
+      moduleTensors.push_back(reader->readModuleState(name));
+      progress.advance(static_cast<int64_t>(moduleTensors.back().nbytes()));
+    }
     clientState = reader->readClientState();
     if (options.checkClientState) {
       const std::string error = options.checkClientState(clientState);
@@ -323,7 +344,7 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
   if (s.schedule && options.loadSchedulerState && m.lrSchedule) {
     // As DeepSpeed's schedulers, whose state_dict is the iteration alone: it is taken whatever
     // the saved type, which only a person can judge.
-    if (m.lrSchedule->type != s.schedule->type()) {
+    if (m.lrSchedule->type != s.schedule->type() && s.comm.rank() == 0) {  // the same on every rank
       TORCH_WARN("zeroshard checkpoint '", m.tag, "': saved with scheduler ", m.lrSchedule->type,
                  ", resumed with ", s.schedule->type(), "; its last_batch_iteration (",
                  m.lrSchedule->lastBatchIteration, ") is taken as it is");
@@ -331,6 +352,7 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     s.schedule->restore(m.lrSchedule->lastBatchIteration);
     loaded.schedulerStateLoaded = true;
   }
+  progress.finish();
   return loaded;
 }
 

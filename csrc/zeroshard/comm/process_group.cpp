@@ -133,11 +133,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroupFromEnv(std::chrono::mill
         c10::make_intrusive<c10d::PrefixStore>("nccl", store), env.rank, env.worldSize, ncclOptions);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  } else if (!choice.warning.empty()) {
+  } else if (!choice.warning.empty() && env.rank == 0) {  // the same words on every rank: said once
     TORCH_WARN_ONCE(choice.warning);
   }
 #else
-  if (at::hasCUDA()) {
+  if (at::hasCUDA() && env.rank == 0) {
     TORCH_WARN_ONCE("zeroshard was built without NCCL; CUDA tensors cannot be communicated. "
                     "Rebuild against a CUDA build of torch.");
   }

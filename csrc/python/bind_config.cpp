@@ -115,6 +115,7 @@ void bindConfig(py::module_& m) {
       .def_readonly("checkpoint_every_minutes", &ZeroshardExtras::checkpointEveryMinutes)
       .def_readonly("checkpoint_dir", &ZeroshardExtras::checkpointDir)
       .def_readonly("batch_guard", &ZeroshardExtras::batchGuard)
+      .def_readonly("nonfinite", &ZeroshardExtras::nonfinite)
       .def_readonly("shard_group_size", &ZeroshardExtras::shardGroupSize)
       .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
 

@@ -205,7 +205,18 @@ void bindEngine(py::module_& m) {
       .def("gather_parameters", &Engine::gatherParameters, py::call_guard<py::gil_scoped_release>())
       .def("reshard_parameters", &Engine::reshardParameters, py::call_guard<py::gil_scoped_release>())
       .def("backward", &Engine::backward, "loss"_a, py::call_guard<py::gil_scoped_release>())
-      .def("step", &Engine::step, py::call_guard<py::gil_scoped_release>())
+      .def("step",
+           [](Engine& e) {
+             CollectedWarnings warnings;  // e.g. a step skipped for non-finite gradients
+             bool taken = false;
+             {
+               const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+               py::gil_scoped_release noGil;
+               taken = e.step();
+             }
+             warnings.warnAtCaller();
+             return taken;
+           })
       .def("plan", [](const Engine& e) { return e.plan().describe(); })
       .def_property_readonly("stage", &Engine::stage)
       .def_property_readonly("rank", &Engine::rank)

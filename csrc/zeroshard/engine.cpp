@@ -231,13 +231,9 @@ bool Engine::takeStep() {
   if (scaler_) {
     const bool overflow = overflowed();
     scaler_->update(overflow);
-    if (overflow) {
-      // Every rank skips: parameters and optimizer state stay as they were.
-      optimizer_.discardPrepared();
-      ++skippedSteps_;
-      finishStep();
-      return false;
-    }
+    if (overflow) return skipStep();
+  } else if (config_.extras.nonfinite != "off" && !gradsFinite()) {
+    return skipStep();  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
   }
   clipGradients();
   if (plan_.anyOptimizerOnHost(buckets_.size())) {
@@ -277,8 +273,17 @@ bool Engine::overflowed() {
   return found.item<float>() > 0;
 }
 
+// Every rank skips: parameters and optimizer state stay as they were.
+bool Engine::skipStep() {
+  optimizer_.discardPrepared();
+  ++skippedSteps_;
+  finishStep();
+  return false;
+}
+
 void Engine::finishStep() {
   zeroGrads();
+  stepSquares_ = at::Tensor();
   recordStepStats();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
@@ -287,13 +292,26 @@ void Engine::finishStep() {
   params_->resetPeak();
 }
 
+// The squared global norm of the step's gradients, computed once a step (the nonfinite check
+// and clipping share it).
+const at::Tensor& Engine::globalGradSquares() {
+  if (stepSquares_.defined()) return stepSquares_;
+  stepSquares_ = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
+  // Each rank holds a disjoint shard of the reduced gradients. Without clipping only the
+  // nonfinite check reads the norm: its one-value reduction is a check, not the step's traffic,
+  // and comm_stats() (held to the stages' formulas) does not count it.
+  if (plan_.optimizerSharded()) {
+    std::optional<UncountedCollectives> uncounted;
+    if (config_.gradientClipping <= 0) uncounted.emplace(shardComm());
+    shardComm().allReduce(stepSquares_).wait();
+  }
+  return stepSquares_;
+}
+
 void Engine::clipGradients() {
   const double maxNorm = config_.gradientClipping;
   if (maxNorm <= 0) return;
-  at::Tensor squares = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
-  // Each rank holds a disjoint shard of the reduced gradients.
-  if (plan_.optimizerSharded()) shardComm().allReduce(squares).wait();
-  lastGradNorm_ = squares.sqrt();
+  lastGradNorm_ = globalGradSquares().sqrt();
   const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
   // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
   // is needed; on a GPU it would be a host synchronisation, so a factor of 1 is applied there.

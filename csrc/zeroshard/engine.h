@@ -280,6 +280,11 @@ class Engine {
   bool takeStep();  // the optimizer step at a boundary; false when fp16 skipped it
   void stepBucketByBucket();  // offload: each bucket's update copied back and gathered as it is done
   void clipGradients();
+  const at::Tensor& globalGradSquares();
+  bool skipStep();
+  // zeroshard.nonfinite (engine_nonfinite.cpp): whether the step's gradients are all finite;
+  // when not, names the first parameter that is not ("error": raises; "skip": warns).
+  bool gradsFinite();
   bool overflowed();
   void finishStep();
   void initSchedule();
@@ -329,6 +334,7 @@ class Engine {
   int64_t microSteps_ = 0;
   bool backwardSinceStep_ = false;
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
+  at::Tensor stepSquares_;   // this step's globalGradSquares(), until finishStep()
   CommStats lastStepStats_;
   CommStats lastIntraStats_;
   CommStats lastInterStats_;

@@ -157,6 +157,7 @@ KEY_EFFECTS = {
     "zeroshard.checkpoint.every_minutes": ("refuses", 30),
     "zeroshard.checkpoint.dir": ("field", r"checkpoint_dir", "/tmp/ckpt"),
     "zeroshard.batch_guard": ("field", r"extras\.batchGuard", "error"),
+    "zeroshard.nonfinite": ("field", r"extras\.nonfinite", "skip"),
     "steps_per_print": ("field", r"stepsPerPrint", 3),
     "wall_clock_breakdown": ("field", r"wallClockBreakdown", True),
     "scheduler": ("section", None, None),

@@ -199,7 +199,8 @@ std::string Config::toJsonString() const {
                     {"checkpoint", {{"keep_last", extras.checkpointKeepLast},
                                     {"every_minutes", extras.checkpointEveryMinutes}}},
                     {"max_inflight_reductions", extras.maxInflightReductions},
-                    {"batch_guard", extras.batchGuard}};
+                    {"batch_guard", extras.batchGuard},
+                    {"nonfinite", extras.nonfinite}};
   if (!extras.checkpointDir.empty()) j["zeroshard"]["checkpoint"]["dir"] = extras.checkpointDir;
   if (extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
     j["zeroshard"]["shard_group_size"] = "node";

@@ -143,6 +143,10 @@ struct ZeroshardExtras {
   // Resuming with a global batch other than the checkpoint's: "warn" (once, on rank 0) or
   // "error" (the load fails on every rank and changes nothing).
   std::string batchGuard = "warn";
+  // fp32 and bf16 gradients holding an inf or NaN at a step (fp16's loss scaler skips those):
+  // "error" names the step and the first parameter; "skip" skips the step on every rank, as
+  // fp16 does, counting it; "off" checks nothing (no per-step read of the norm on the host).
+  std::string nonfinite = "error";
   // Gradient reductions in flight at once during backward (overlap_comm on): launching one more
   // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
   // one being filled exist (as FSDP2 bounds its reduce-scatter states).

@@ -189,6 +189,8 @@ class ConfigReader {
   void readSchedulerParam(const Json& value, const std::string& path, const SchedulerParamSpec& spec);
   void readOffload(const Json& o, const std::string& path, OffloadConfig& offload);
   void readShardGroupSize(const Json& o, const std::string& path, const char* key);
+  void readChoice(const Json& o, const std::string& path, const char* key, const std::vector<std::string>& choices,
+                  std::string& out);
   void readFp16(const Json& o, const std::string& path);
   void readOptimizer(const Json& o, const std::string& path);
   void readOptimizerParams(const Json& o, const std::string& path);

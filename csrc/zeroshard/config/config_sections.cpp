@@ -31,18 +31,9 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
            " minutes needs " + dirKey + ", the directory to save into");
     }
   }
-  if (const Json* value = member(o, "batch_guard"); value != nullptr && !takeAuto(*value, join(path, "batch_guard"))) {
-    if (!value->is_string() || (*value != "warn" && *value != "error")) {
-      fail(join(path, "batch_guard") + ": must be \"warn\" or \"error\", got " + describe(*value));
-    }
-    extras.batchGuard = value->get<std::string>();
-  }
-  if (const Json* value = member(o, "reduce_dtype"); value != nullptr && !takeAuto(*value, join(path, "reduce_dtype"))) {
-    if (!value->is_string() || (*value != "compute" && *value != "fp32")) {
-      fail(join(path, "reduce_dtype") + ": must be \"compute\" or \"fp32\", got " + describe(*value));
-    }
-    extras.reduceDtype = value->get<std::string>();
-  }
+  readChoice(o, path, "batch_guard", {"warn", "error"}, extras.batchGuard);
+  readChoice(o, path, "nonfinite", {"error", "skip", "off"}, extras.nonfinite);
+  readChoice(o, path, "reduce_dtype", {"compute", "fp32"}, extras.reduceDtype);
   if (const Json* classes = member(o, "stage3_unit_classes")) {
     const std::string where = join(path, "stage3_unit_classes");
     if (!classes->is_array()) fail(where + ": must be a list of module class names, got " + describe(*classes));
@@ -53,6 +44,23 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
       extras.unitClasses.push_back(name.get<std::string>());
     }
   }
+}
+
+// A string that must be one of `choices`, e.g. "warn" or "error".
+void ConfigReader::readChoice(const Json& o, const std::string& path, const char* key,
+                              const std::vector<std::string>& choices, std::string& out) {
+  const Json* value = member(o, key);
+  if (value == nullptr || takeAuto(*value, join(path, key))) return;
+  const bool known = value->is_string() && std::find(choices.begin(), choices.end(), value->get<std::string>()) !=
+                                               choices.end();
+  if (!known) {
+    std::string listed;
+    for (size_t i = 0; i < choices.size(); ++i) {
+      listed += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + ("\"" + choices[i] + "\"");
+    }
+    fail(join(path, key) + ": must be " + listed + ", got " + describe(*value));
+  }
+  out = value->get<std::string>();
 }
 
 // zeroshard.shard_group_size / zero_optimization.mics_shard_size: a whole number >= 1, or "node"

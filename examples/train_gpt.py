@@ -2,6 +2,11 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --config configs/zero3.json
 
+With --save-dir and --resume auto a job that torchrun restarts (--max-restarts) goes on from its
+last complete checkpoint, with the losses and weights of a run that was never interrupted:
+
+    torchrun --max-restarts 3 --nproc-per-node 2 examples/train_gpt.py --save-dir ckpt --save-every 50 --resume auto
+
 The corpus is the license texts every Debian machine has under /usr/share/common-licenses.
 Gloo on CPU; with GPUs, NCCL and one rank per GPU. Only rank 0 logs: the loss, tokens per
 second, and the model-state memory each rank holds next to what DDP would hold (16 bytes per
@@ -12,6 +17,8 @@ import argparse
 import json
 import math
 import os
+import resource
+import signal
 import time
 from pathlib import Path
 
@@ -89,6 +96,50 @@ def write_summary(path, engine, losses):
         Path(path).write_text(json.dumps(summary, indent=1))
 
 
+def fault_injection(args, rank):
+    """Test-only (tests/python/test_restart.py): on torchrun's first attempt, rank 1 dies at a chosen
+    point with no time involved: killed (SIGKILL) in step --test-kill-at-step after its forward,
+    or inside the save of step --test-kill-in-save, by the first write of its shard file. Returns
+    (die_now(step), before_save(step))."""
+    armed = rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def die_now(step):
+        if armed and step == args.test_kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_save(step):
+        if armed and step == args.test_kill_in_save:
+            # Python ignores SIGXFSZ; with its default action back and a file size limit of 0, the
+            # kernel kills this rank at its first write of a file: rank 0 has made the staging
+            # directory (the save's first phase) and waits for this rank's shard file.
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    return die_now, before_save
+
+
+def resume_point(args, rank):
+    """Whether to load `latest` from --save-dir: rank 0 looks and every rank follows (a load is
+    collective). A save that a dead rank left unfinished is a .staging- directory: never a
+    checkpoint (docs/checkpoints.md, Crash safety); it is named, and the next save removes it."""
+    decision = [None]
+    if rank == 0:
+        save_dir = Path(args.save_dir)
+        found = (save_dir / "latest").exists()
+        unfinished = sorted(p.name for p in save_dir.glob(".staging-*") if p.is_dir())
+        if unfinished:
+            print(f"unfinished save(s) in {save_dir}, not checkpoints: {', '.join(unfinished)}", flush=True)
+        if args.resume == "latest" and not found:
+            print(f"--resume: no checkpoint in {save_dir} (no 'latest'); --resume auto starts fresh instead",
+                  flush=True)
+        elif not found:
+            print(f"--resume auto: no checkpoint in {save_dir} yet, starting fresh", flush=True)
+        decision = [args.resume == "latest" or found]
+    dist.broadcast_object_list(decision, src=0)
+    return decision[0]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/zero3.json")
@@ -102,7 +153,13 @@ def main():
                         help="also save into --save-dir at the first step this many minutes after the last save "
                              "(zeroshard.checkpoint.every_minutes; rank 0's clock decides): 30-60 on rented "
                              "machines, with zeroshard.checkpoint.keep_last 2")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"), default=None,
+                        help="continue from the checkpoint 'latest' names in --save-dir, with its step and data "
+                             "position: bare --resume (or --resume latest) needs one there; --resume auto starts "
+                             "fresh when there is none, for a job torchrun may restart (--max-restarts), which "
+                             "then goes on from the last complete checkpoint")
+    parser.add_argument("--test-kill-at-step", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--test-kill-in-save", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--summary", default=None,
                         help="write a JSON file at the end: the logged losses in full precision, the plan, and "
                              "each rank's launch (RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and comm_stats() levels")
@@ -139,7 +196,7 @@ def main():
 
     generator = torch.Generator().manual_seed(1234)
     first_step = 1
-    if args.resume:
+    if args.resume and resume_point(args, rank):
         # Any world size and stage: each rank reads only its own slices of the saved shards.
         path, client_state = engine.load_checkpoint(args.save_dir)
         first_step = client_state["step"] + 1
@@ -151,6 +208,7 @@ def main():
     # A save on the clock happens inside engine.step(), at the end of `step`: the same client
     # state as the saves below, so --resume goes on from either.
     engine.clock_client_state = lambda: {"step": step, "batches": generator.get_state()}
+    die_now, before_save = fault_injection(args, rank)
     for step in range(first_step, args.steps + 1):
         window = torch.zeros((), device=device)
         for _ in range(gas):
@@ -160,11 +218,13 @@ def main():
             batch = torch.stack([data[o:o + args.seq + 1] for o in mine.tolist()]).to(device)
             logits = engine(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+            die_now(step)
             engine.backward(loss)
             engine.step()
             window += loss.detach() / gas
             tokens += batch[:, 1:].numel() * world
         if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            before_save(step)
             engine.save_checkpoint(args.save_dir, client_state={"step": step, "batches": generator.get_state()})
         if step % args.log_every == 0 or step == first_step or step == args.steps:
             dist.all_reduce(window)
@@ -182,7 +242,10 @@ def main():
         print(f"model state per rank: {mem['total'] / 2**20:.2f} MiB (params {mem['params'] / 2**20:.2f}, "
               f"grads {mem['grads'] / 2**20:.2f}, optimizer {mem['optimizer'] / 2**20:.2f}); "
               f"DDP would hold {ddp / 2**20:.2f} MiB ({mem['total'] / ddp:.2f}x)")
-        print(f"final loss {mean:.4f} (first {first_loss:.4f})", flush=True)
+        if logged:
+            print(f"final loss {mean:.4f} (first {first_loss:.4f})", flush=True)
+        else:  # resumed from the last step's checkpoint (a restart after the final save)
+            print(f"nothing left to train: the checkpoint is at step {first_step - 1} of {args.steps}", flush=True)
     dist.destroy_process_group()
 
 

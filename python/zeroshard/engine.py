@@ -67,8 +67,32 @@ def init_distributed(timeout_seconds=600.0):
         backend = "cpu:gloo,cuda:nccl"
     elif warning:
         warn_at_caller(warning)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+    timeout = timedelta(seconds=timeout_seconds)
+    store = _restarted_job_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return dist.group.WORLD
+
+
+def _restarted_job_store(timeout):
+    """Note [a restarted job's store]: torchrun's agent hosts the store its workers meet in
+    (TORCHELASTIC_USE_AGENT_STORE) and, in torch 2.13, keeps the same one when it restarts them
+    (--max-restarts): the new workers' init_process_group would read the addresses the dead
+    ones left there and fail to connect (pytorch/pytorch#135712). A restarted worker meets in a
+    part of that store of its attempt's own, as torch's own env:// once did. The attempt count is
+    each agent's: on one node it is every worker's; on several, an agent that restarts for
+    another node's failure may count differently (the torch issue), and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun gives each attempt a store of its own.
+    None when there is nothing to work around (the first attempt, or a store of the job's own)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0:
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"zeroshard/attempt_{attempt}", agent)
 
 
 def _param_groups(model, param_groups):

@@ -8,110 +8,22 @@ saves). With shard_group_size "node" the groups follow the launchers (2 groups o
 launcher of 4 is one node (flat): the losses agree to rounding. A node that never joins makes
 the other fail the rendezvous with torchrun's own error, in bounded time.
 
-Each launcher writes its output to a file; every launcher has a deadline, and on it the
-launcher's process group and its workers' (torchrun starts each worker in a session of its
-own) are killed. Four runs of 4 ranks and one lone launcher: ~85 s on 2 cores, nearly all of
+Each launcher has a deadline (launchers.py). Four runs of 4 ranks and one lone launcher: ~85 s on 2 cores, nearly all of
 it 6 processes importing torch per run.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from launchers import ROOT, free_port, launcher_command, report, run_launchers
 from zeroshard.convert import convert
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
 CPP_EXAMPLE = ROOT / "build" / "examples" / "cpp" / "zeroshard_train_example"  # scripts/setup.sh --all
 STEPS, SEQ = 3, 32
 RUN_TIMEOUT = 240  # a run takes ~20 s on 2 cores
 JOIN_TIMEOUT = 3  # seconds the lone node waits for the other in the rendezvous
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_command(nnodes, nproc, port, script_args, rdzv_conf=None, program=EXAMPLE):
-    """torchrun as one node of `nnodes`, each of `nproc` ranks, meeting at 127.0.0.1:port; a
-    program that is not a .py file is run as it is (--no-python)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-               "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"two-nodes-{port}", "--local-addr", "127.0.0.1"]
-    if rdzv_conf:
-        command += ["--rdzv-conf", rdzv_conf]
-    if Path(program).suffix != ".py":
-        command.append("--no-python")
-    return command + [str(program), *script_args]
-
-
-def _descendants(pid):
-    """Every process below pid (from /proc's parent links)."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # The field after the command's closing parenthesis: state, then the parent's pid.
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill(proc):
-    """The launcher's process group and the groups of the workers it started."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:  # not a group leader, or already gone
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    proc.wait(timeout=30)
-
-
-def run_launchers(commands, logs, timeout):
-    """Starts every command at once, each in its own process group with its output in its log;
-    returns [(exit code or None if killed at the deadline, output)], seconds taken."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    start = time.monotonic()
-    procs = []
-    for command, log in zip(commands, logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, start + timeout - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for proc, code in zip(procs, codes):
-        if code is None:
-            _kill(proc)
-    return [(code, Path(log).read_text()) for code, log in zip(codes, logs)], time.monotonic() - start
-
-
-def _report(results):
-    return "\n".join(f"--- launcher {i} ({'killed at the deadline' if code is None else f'exit {code}'}) ---\n"
-                     f"{out[-6000:]}" for i, (code, out) in enumerate(results))
 
 
 def _config(tmp, shard_group_size):
@@ -150,13 +62,13 @@ class Runs:
         work.mkdir()
         args = ["--config", str(_config(self._tmp, shard_group_size)), "--steps", str(STEPS), "--seq", str(SEQ),
                 "--log-every", "1", "--save-dir", str(work / "ckpt"), "--summary", str(work / "summary.json")]
-        command = launcher_command(nnodes, 4 // nnodes, _free_port(), args)
+        command = launcher_command(nnodes, 4 // nnodes, free_port(), args)
         results, _ = run_launchers([command] * nnodes, [work / f"launcher{i}.log" for i in range(nnodes)],
                                    RUN_TIMEOUT)
-        assert all(code == 0 for code, _ in results), _report(results)
+        assert all(code == 0 for code, _ in results), report(results)
         convert(work / "ckpt", work / "weights.pt")
         return {"summary": json.loads((work / "summary.json").read_text()),
-                "weights": torch.load(work / "weights.pt"), "output": _report(results)}
+                "weights": torch.load(work / "weights.pt"), "output": report(results)}
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +113,11 @@ def test_node_groups_follow_the_launchers(runs):
 
 def test_a_node_that_never_joins_fails_the_rendezvous_in_bounded_time(tmp_path):
     args = ["--config", str(_config(tmp_path, "node")), "--steps", str(STEPS), "--seq", str(SEQ)]
-    command = launcher_command(2, 2, _free_port(), args, rdzv_conf=f"join_timeout={JOIN_TIMEOUT}")
+    command = launcher_command(2, 2, free_port(), args, rdzv_conf=f"join_timeout={JOIN_TIMEOUT}")
     results, seconds = run_launchers([command], [tmp_path / "lone.log"], timeout=120)
     code, output = results[0]
-    assert code is not None, f"the lone node hung past 120 s:\n{_report(results)}"
-    assert code != 0 and "RendezvousTimeoutError" in output, _report(results)
+    assert code is not None, f"the lone node hung past 120 s:\n{report(results)}"
+    assert code != 0 and "RendezvousTimeoutError" in output, report(results)
     assert "zeroshard stage" not in output, "the job started without its second node"
     assert seconds < JOIN_TIMEOUT + 60, seconds
 
@@ -213,15 +125,15 @@ def test_a_node_that_never_joins_fails_the_rendezvous_in_bounded_time(tmp_path):
 def _cpp_run(tmp, nnodes, shard_group_size):
     """The C++ example (examples/cpp/train.cpp) under nnodes launchers of 4 // nnodes ranks:
     rank 0's output, from its plan on."""
-    command = launcher_command(nnodes, 4 // nnodes, _free_port(),
+    command = launcher_command(nnodes, 4 // nnodes, free_port(),
                                ["--config", str(_config(tmp, shard_group_size)), "--steps", str(STEPS)],
                                program=CPP_EXAMPLE)
     logs = [tmp / f"cpp_{nnodes}_{shard_group_size}_{i}.log" for i in range(nnodes)]
     results, _ = run_launchers([command] * nnodes, logs, RUN_TIMEOUT)
-    assert all(code == 0 for code, _ in results), _report(results)
+    assert all(code == 0 for code, _ in results), report(results)
     text = "\n".join(out for _, out in results)
-    assert "plan:" in text, _report(results)
-    return text[text.index("plan:"):], _report(results)
+    assert "plan:" in text, report(results)
+    return text[text.index("plan:"):], report(results)
 
 
 def test_a_cpp_program_reads_the_nodes_from_torchrun(tmp_path):

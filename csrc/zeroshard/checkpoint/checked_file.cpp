@@ -3,12 +3,15 @@
 #include <c10/util/Exception.h>
 
 #include "zeroshard/checkpoint/crc32.h"
+#include "zeroshard/progress.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <filesystem>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 namespace zeroshard {
@@ -16,13 +19,32 @@ namespace {
 
 std::string errnoText() { return std::strerror(errno); }
 
+// Note [a full disk]: a write that fails for want of space says how much its file system has
+// left (statvfs of the file's directory: what an unprivileged process may still use) and what
+// to do, so that a person reading any rank's error knows it is the disk and which one.
+std::string writeErrorText(const std::string& path, int error) {
+  std::string text = std::strerror(error);
+  if (error != ENOSPC && error != EDQUOT && error != EFBIG) return text;
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  struct statvfs fsStat{};
+  if (::statvfs(dir.c_str(), &fsStat) == 0) {
+    const int64_t free = static_cast<int64_t>(fsStat.f_bavail) * static_cast<int64_t>(fsStat.f_frsize);
+    text += " (the file system of '" + dir + "' has " + std::to_string(free) + " bytes" +
+            (free < 1000 ? "" : " = " + progressBytes(free)) + " free)";
+  }
+  return text + (error == EFBIG ? "; the file is past this process's file size limit (ulimit -f) or the largest "
+                                  "file its file system holds"
+                                : "; free some space there or save elsewhere");
+}
+
 } // namespace
 
 CheckedFileWriter::CheckedFileWriter(std::string path, int64_t chunkBytes) : path_(std::move(path)) {
   TORCH_CHECK(chunkBytes > 0, "zeroshard checkpoint: chunk size must be > 0");
   digest_.chunkBytes = chunkBytes;
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "zeroshard checkpoint: cannot create '", path_, "': ", errnoText());
+  TORCH_CHECK(fd_ >= 0, "zeroshard checkpoint: cannot create '", path_, "': ", writeErrorText(path_, errno));
 }
 
 CheckedFileWriter::~CheckedFileWriter() {
@@ -36,8 +58,9 @@ void CheckedFileWriter::write(const void* data, size_t size) {
   while (left > 0) {
     const ssize_t n = ::write(fd_, p, left);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "zeroshard checkpoint: writing '", path_, "' failed after ", digest_.bytes + (p - static_cast<const char*>(data)),
-                " bytes: ", n < 0 ? errnoText() : std::string("no progress"));
+    TORCH_CHECK(n > 0, "zeroshard checkpoint: writing '", path_, "' failed after ",
+                digest_.bytes + (p - static_cast<const char*>(data)), " bytes: ",
+                n < 0 ? writeErrorText(path_, errno) : std::string("no progress"));
     p += n;
     left -= static_cast<size_t>(n);
   }
@@ -67,7 +90,8 @@ FileDigest CheckedFileWriter::finish(const std::string& name) {
   ::close(fd_);
   fd_ = -1;
   errno = syncErrno;
-  TORCH_CHECK(rc == 0, "zeroshard checkpoint: flushing '", path_, "' to disk failed: ", errnoText());
+  // Some file systems (NFS, and any that allocate lazily) report a full disk only here.
+  TORCH_CHECK(rc == 0, "zeroshard checkpoint: flushing '", path_, "' to disk failed: ", writeErrorText(path_, errno));
   digest_.name = name;
   return digest_;
 }

@@ -84,10 +84,19 @@ void prepareStaging(const std::string& dir, const std::string& tag) {
   TORCH_CHECK(!ec, "zeroshard checkpoint: cannot create '", stagingPath(dir, tag), "': ", ec.message());
 }
 
+void discardStaging(const std::string& dir, const std::string& tag) noexcept {
+  std::error_code ec;
+  fs::remove_all(stagingPath(dir, tag), ec);
+  fs::remove_all(fs::path(dir) / (std::string(kStagingPrefix) + kLatestFile), ec);
+}
+
 void publishCheckpoint(const std::string& dir, const std::string& tag) {
   const fs::path root(dir);
   const std::string staged = stagingPath(dir, tag);
   syncDirectory(staged);
+  // The save's last write: after it only renames, which need no space (Note [crash-safe publish]).
+  const fs::path latestStaging = root / (std::string(kStagingPrefix) + kLatestFile);
+  writeCheckedFile(latestStaging.string(), kLatestFile, tag);
   const fs::path target = root / tag;
   if (fs::exists(target)) {
     // Replacing a checkpoint of the same tag: one atomic exchange, so `tag` always names a
@@ -104,9 +113,6 @@ void publishCheckpoint(const std::string& dir, const std::string& tag) {
     fs::rename(staged, target);
   }
   syncDirectory(dir);
-
-  const fs::path latestStaging = root / (std::string(kStagingPrefix) + kLatestFile);
-  writeCheckedFile(latestStaging.string(), kLatestFile, tag);
   fs::rename(latestStaging, root / kLatestFile);
   syncDirectory(dir);
   fs::remove_all(staged);  // the replaced checkpoint, if there was one

@@ -1,10 +1,12 @@
 // A directory of checkpoints, one subdirectory per tag, and a `latest` file naming the newest
 // (DeepSpeed's layout). Note [crash-safe publish]: a checkpoint is written under a staging name
 // (.staging-<tag>), flushed, and renamed to <tag> only when every file and the manifest are on
-// disk; `latest` is replaced (write, flush, rename) after that, and older checkpoints are
-// removed last. A save that dies at any point leaves the previous checkpoints and `latest` as
-// they were; its staging directory is removed by the next save. Re-saving an existing tag swaps
-// the new directory in with one atomic rename (renameat2 RENAME_EXCHANGE).
+// disk, and the new `latest` too (as .staging-latest, the last write, so that a full disk fails
+// the save before anything is visible); `latest` is renamed into place after that, and older
+// checkpoints are removed last. A save that dies at any point leaves the previous checkpoints
+// and `latest` as they were; its staging entries are removed by the next save, or at once by a
+// save that fails (discardStaging). Re-saving an existing tag swaps the new directory in with
+// one atomic rename (renameat2 RENAME_EXCHANGE).
 //
 // These functions run on one rank (rank 0); the engine orders them with the other ranks' writes.
 #pragma once
@@ -24,6 +26,9 @@ std::string stagingPath(const std::string& dir, const std::string& tag);
 // Creates `dir` if needed, removes what crashed saves left behind, and creates an empty
 // staging directory for `tag`.
 void prepareStaging(const std::string& dir, const std::string& tag);
+// Removes what a failed save of `tag` staged (its directory, the new `latest`), giving its space
+// back; never throws (a leftover is removed by the next save).
+void discardStaging(const std::string& dir, const std::string& tag) noexcept;
 // Makes the staged checkpoint `tag` visible (replacing an older one of the same tag) and
 // points `latest` at it. Blocking: everything is on disk when it returns.
 void publishCheckpoint(const std::string& dir, const std::string& tag);

@@ -227,45 +227,53 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
                     static_cast<int64_t>(kNumKinds * s.buckets.size() + s.moduleState.tensors.size()), "tensors",
                     terminalProgress(rank));
 
-  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
-    TORCH_CHECK(rankError.empty(), rankError);
-    if (rank == 0) prepareStaging(dir, tag);
-  });
-  std::vector<FileDigest> digests;
-  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
-    // The first shard group's ranks hold every shard once (the other groups' are copies).
-    if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging, progress));
-    if (rank != 0) return;
-    const auto& tensors = s.moduleState.tensors;
-    if (!tensors.empty()) {
-      std::vector<TensorEntry> entries;
-      for (const auto& [name, t] : tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
-      SafetensorsWriter writer((fs::path(staging) / kModuleStateFile).string(), std::move(entries), {{"format", "pt"}});
-      for (const auto& [name, t] : tensors) {
-        writer.write(t.detach());
-        progress.advance(static_cast<int64_t>(t.nbytes()));
+  try {
+    agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+      TORCH_CHECK(rankError.empty(), rankError);
+      if (rank == 0) prepareStaging(dir, tag);
+    });
+    std::vector<FileDigest> digests;
+    agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+      // The first shard group's ranks hold every shard once (the other groups' are copies).
+      if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging, progress));
+      if (rank != 0) return;
+      const auto& tensors = s.moduleState.tensors;
+      if (!tensors.empty()) {
+        std::vector<TensorEntry> entries;
+        for (const auto& [name, t] : tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
+        SafetensorsWriter writer((fs::path(staging) / kModuleStateFile).string(), std::move(entries), {{"format", "pt"}});
+        for (const auto& [name, t] : tensors) {
+          writer.write(t.detach());
+          progress.advance(static_cast<int64_t>(t.nbytes()));
+        }
+        digests.push_back(writer.finish(kModuleStateFile));
       }
-      digests.push_back(writer.finish(kModuleStateFile));
-    }
-    if (!clientState.empty()) {
-      digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
-    }
-  });
-  const auto texts = allGatherText(s.comm, digestsToJson(digests), device);
-  agreeAcrossRanks(s.comm, device, what, outcome, [&] {
-    if (rank != 0) return;
-    writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile,
-                     manifestOf(s, tag, boundaries, texts).toJsonText());
-    publishCheckpoint(dir, tag);
-    const int64_t keep = s.config.extras.checkpointKeepLast;
-    try {
-      pruneCheckpoints(dir, keep, tag);
-    } catch (const std::exception& e) {
-      // The new checkpoint is complete and `latest` names it: a stale one left over is no failure.
-      TORCH_WARN("zeroshard checkpoint: saved '", checkpointPath(dir, tag), "' but removing older checkpoints (",
-                 "zeroshard.checkpoint.keep_last = ", keep, ") failed: ", e.what());
-    }
-  });
+      if (!clientState.empty()) {
+        digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
+      }
+    });
+    const auto texts = allGatherText(s.comm, digestsToJson(digests), device);
+    agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+      if (rank != 0) return;
+      writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile,
+                       manifestOf(s, tag, boundaries, texts).toJsonText());
+      publishCheckpoint(dir, tag);
+      const int64_t keep = s.config.extras.checkpointKeepLast;
+      try {
+        pruneCheckpoints(dir, keep, tag);
+      } catch (const std::exception& e) {
+        // The new checkpoint is complete and `latest` names it: a stale one left over is no failure.
+        TORCH_WARN("zeroshard checkpoint: saved '", checkpointPath(dir, tag), "' but removing older checkpoints (",
+                   "zeroshard.checkpoint.keep_last = ", keep, ") failed: ", e.what());
+      }
+    });
+  } catch (const AgreedFailure&) {
+    // Every rank answered, so every rank has stopped writing: a failed save, a full disk's above
+    // all, gives its space back at once. Not so when a rank stopped answering (it may still
+    // write): its staging directory is left to the next save (Note [crash-safe publish]).
+    if (rank == 0) discardStaging(dir, tag);
+    throw;
+  }
   progress.finish();
   return checkpointPath(dir, tag);
 }

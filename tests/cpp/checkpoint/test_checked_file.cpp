@@ -4,14 +4,17 @@
 #include "temp_dir.h"
 #include "zeroshard/checkpoint/checked_file.h"
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <sys/resource.h>
 
 using zeroshard::CheckedFileReader;
 using zeroshard::CheckedFileWriter;
 using zeroshard::FileDigest;
 using zeroshard::testing::TempDir;
+using zeroshard::testing::contains;
 using zeroshard::testing::errorText;
 
 namespace {
@@ -79,4 +82,23 @@ TEST_CASE("a truncated or missing file is an error before any read", "[checked_f
   std::filesystem::remove(dir / "data.bin");
   const std::string missing = errorText([&] { CheckedFileReader(dir / "data.bin", digest); });
   CHECK(missing.find("'" + dir / "data.bin" + "' is missing") != std::string::npos);
+}
+
+TEST_CASE("a write past the file size limit names the file, the error and the free space", "[checked_file]") {
+  // RLIMIT_FSIZE makes write() fail with EFBIG, a real write failure as a full disk's ENOSPC
+  // (whose text the same code adds to: tests/python/test_full_disk.py fills a tmpfs).
+  TempDir dir;
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+  auto* previous = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit limited = saved;
+  limited.rlim_cur = 100;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &limited) == 0);
+  const std::string error = errorText([&] { writeInPieces(dir / "data.bin", pattern(300), 64); });
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous);
+  CHECK(contains(error, "writing '" + dir / "data.bin" + "' failed after 100 bytes: File too large ("));
+  CHECK(contains(error, "(the file system of '" + dir.path().string() + "' has "));
+  CHECK(contains(error, " free); the file is past"));
+  CHECK(contains(error, "file size limit (ulimit -f)"));
 }

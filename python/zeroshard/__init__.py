@@ -4,7 +4,8 @@ import torch as _torch  # noqa: F401  (loads libtorch before the extension that 
 
 from zeroshard import _C
 from zeroshard.comm import Communicator
-from zeroshard.engine import Engine, init_distributed, initialize
+from zeroshard.engine import Engine, initialize
+from zeroshard.launch import init_distributed
 from zeroshard.pretrained import PretrainedLoad
 
 # Config.from_file / from_dict / from_json raise ValueError naming the key path, and report

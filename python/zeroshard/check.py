@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from zeroshard import bandwidth, topology
 from zeroshard.bandwidth import COLLECTIVES, format_size, parse_size
-from zeroshard.engine import init_distributed
+from zeroshard.launch import init_distributed
 
 _DEFAULT_SIZES = [2**20, 16 * 2**20, 256 * 2**20, 2**30]
 _DEFAULTS = {  # per device: max size, grad size, compute FLOPs, the matmul's side and dtype

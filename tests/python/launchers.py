@@ -68,13 +68,14 @@ def kill_launcher(proc):
     proc.wait(timeout=30)
 
 
-def run_launchers(commands, logs, timeout):
-    """Starts every command at once, each in its own process group with its output in its log;
-    returns [(exit code or None if killed at the deadline, output)], seconds taken."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_launchers(commands, logs, timeout, envs=None):
+    """Starts every command at once, each in its own process group with its output in its log
+    (and the variables of envs[i] added to its environment); returns [(exit code or None if
+    killed at the deadline, output)], seconds taken."""
     start = time.monotonic()
     procs = []
-    for command, log in zip(commands, logs):
+    for i, (command, log) in enumerate(zip(commands, logs)):
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(envs[i] if envs else {}))
         with open(log, "w") as out:
             procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))

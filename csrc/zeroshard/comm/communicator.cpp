@@ -75,6 +75,16 @@ bool CommHandle::completed() const {
   return !work_ || work_->isCompleted();
 }
 
+void rethrowWithContext(const std::string& context) {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.what_without_backtrace(), " [", context, "]");
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what(), " [", context, "]");
+  }
+}
+
 void CommHandle::wait() {
   if (!work_) {
     return;

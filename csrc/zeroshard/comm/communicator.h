@@ -58,6 +58,11 @@ class CommStats {
 // Communicator. Shared with the handles, so a handle may outlive (a move of) its Communicator.
 using WaitNanos = std::shared_ptr<std::atomic<int64_t>>;
 
+// Inside a catch block: rethrows the c10::Error (or other exception) being handled as a
+// c10::Error with `context` after its message, e.g. which bucket or unit the failed
+// collective was for (what the Communicator that ran it cannot know).
+[[noreturn]] void rethrowWithContext(const std::string& context);
+
 // One collective in flight. wait() may be called once; later calls return at once.
 class CommHandle {
  public:

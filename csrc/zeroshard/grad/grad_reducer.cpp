@@ -139,7 +139,12 @@ void GradReducer::retireOldest() {
 }
 
 void GradReducer::retire(StartedReduction& f) {
-  f.handle.wait();
+  try {
+    f.handle.wait();
+  } catch (...) {
+    rethrowWithContext("reducing the gradients of bucket " + std::to_string(f.bucket) + " of " +
+                       std::to_string(buckets_.size()) + ": " + buckets_[f.bucket].describe());
+  }
   if (f.then) f.then();
   f.then = nullptr;  // drops the buffers the completion captured
   transient_.add(-f.transientBytes);
@@ -158,6 +163,7 @@ void GradReducer::launch(size_t bucket) {
   while (static_cast<int64_t>(inFlight_.size()) >= options_.maxInFlight) retireOldest();
   launched_[bucket] = 1;
   inFlight_.push_back(grads_.reduce(buckets_[bucket], bucket, ready_[bucket], comm_, options_, transient_));
+  inFlight_.back().bucket = bucket;
   if (options_.onLaunched) options_.onLaunched(bucket);
   if (!options_.overlap) retireAll();
 }

@@ -60,6 +60,7 @@ struct StartedReduction {
   CommHandle handle;
   std::function<void()> then;
   int64_t transientBytes = 0;
+  size_t bucket = 0;  // set by the GradReducer that launched it, for its errors
 };
 
 struct GradStorageOptions {

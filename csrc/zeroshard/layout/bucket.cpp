@@ -100,6 +100,14 @@ at::Tensor Bucket::takeFloatValues() {
   return std::exchange(floatValues_, at::Tensor());
 }
 
+std::string Bucket::describe() const {
+  const auto& params = layout_.params();
+  if (params.empty()) return "no parameters";
+  if (params.size() == 1) return "'" + params.front().name + "'";
+  return "'" + params.front().name + "' .. '" + params.back().name + "' (" + std::to_string(params.size()) +
+         " parameters)";
+}
+
 at::Tensor Bucket::paramShard() const {
   if (shard_.defined()) return shard_;
   const auto range = layout_.shardRange(rank_);

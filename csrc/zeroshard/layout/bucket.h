@@ -41,6 +41,8 @@ class Bucket {
   int paramGroupOf(size_t param) const { return paramGroups_.at(param); }
   const std::vector<at::Tensor>& params() const { return params_; }
   size_t size() const { return params_.size(); }
+  // Its parameters for an error message: "'a.weight'" or "'a.weight' .. 'b.bias' (4 parameters)".
+  std::string describe() const;
 
   // The full flat parameters (padded), and this rank's slice of them: a view of the full
   // buffer, or its own storage after detachShard().

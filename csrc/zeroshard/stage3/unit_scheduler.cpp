@@ -62,12 +62,26 @@ void UnitScheduler::startUnshard(size_t u) {
   peakBytes_ = std::max(peakBytes_, liveBytes_);
 }
 
+namespace {
+
+// The unit's all-gather; its error names the unit (the Communicator's names the collective).
+void waitForGather(CommHandle& handle, const std::vector<Bucket>& units, size_t u, const char* when) {
+  try {
+    handle.wait();
+  } catch (...) {
+    rethrowWithContext(std::string("gathering the parameters of stage-3 unit ") + std::to_string(u) + " of " +
+                       std::to_string(units.size()) + " " + when + ": " + units[u].describe());
+  }
+}
+
+}  // namespace
+
 void UnitScheduler::unshard(size_t u) {
   startUnshard(u);
   if (states_[u] == UnitState::kGathering) {
     auto handle = std::move(*pending_[u]);
     pending_[u].reset();
-    handle.wait();
+    waitForGather(handle, units_, u, "for its forward or backward");
     finished(u);
     states_[u] = UnitState::kGathered;
   }
@@ -256,7 +270,7 @@ void UnitScheduler::finishAfterStep() {
   auto refreshing = std::move(refreshing_);
   refreshing_.clear();
   for (auto& [u, handle] : refreshing) {
-    handle.wait();
+    waitForGather(handle, units_, u, "after the optimizer step");
     finished(u);
   }
 }

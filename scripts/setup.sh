@@ -54,13 +54,15 @@ pip_missing=()
 # Issue 14's tests read save_16bit_model's file back with transformers' from_pretrained and use
 # its scheduler helpers (tiny models built from configs: nothing is downloaded).
 "$PYTHON" -c "import transformers" >/dev/null 2>&1 || pip_missing+=(transformers)
+# Issue 19's fuzz tests generate their inputs with hypothesis.
+"$PYTHON" -c "import hypothesis" >/dev/null 2>&1 || pip_missing+=(hypothesis)
 command -v ninja >/dev/null 2>&1 || pip_missing+=(ninja)
 command -v cmake >/dev/null 2>&1 || pip_missing+=(cmake)
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "setup: pip: installing ${pip_missing[*]}"
   "$PYTHON" -m pip install -q "${pip_missing[@]}"
 else
-  echo "setup: pip: pytest pybind11 safetensors transformers ninja cmake already installed"
+  echo "setup: pip: pytest pybind11 safetensors transformers hypothesis ninja cmake already installed"
 fi
 
 # Build (ccache keeps rebuilds cheap on 2 cores) and install in place.

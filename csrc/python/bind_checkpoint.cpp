@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "zeroshard/checkpoint/convert.h"
+#include "zeroshard/checkpoint/manifest.h"
 #include "zeroshard/checkpoint/reader.h"
 #include "zeroshard/progress.h"
 
@@ -41,6 +42,9 @@ void bindCheckpoint(py::module_& m) {
            },
            "out"_a, "dtype"_a = py::none(), "progress_rank"_a = py::none(),
            "progress_rank: this process's rank; on rank 0 a progress line goes to stderr when it is a terminal.");
+  m.def("_manifest_text_for_body", &manifestTextForBody, "body"_a,
+        "manifest.json's text for an edited manifest body (JSON text): the body with its checksum; "
+        "CheckpointReader checks the rest.");
   // The same line for loops written in Python (convert's torch.save format).
   py::class_<Progress>(m, "_Progress", "zeroshard/progress.h: one updating line on stderr, on rank 0 at a terminal.")
       .def(py::init([](std::string title, int64_t total, std::string unit, int rank) {

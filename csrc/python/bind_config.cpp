@@ -5,11 +5,16 @@
 
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <optional>
+
 #include <nlohmann/json.hpp>
 
 #include "zeroshard/config/auto_values.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/config/config_keys.h"
+#include "zeroshard/config/config_reader.h"
+#include "zeroshard/config/json_input.h"
 #include "zeroshard/plan/sharding_plan.h"
 
 namespace py = pybind11;
@@ -28,11 +33,80 @@ Config warned(Config config) {
   return config;
 }
 
+// Note [from_dict checked]: json.dumps would turn what is not JSON into JSON silently (a key 1
+// into "1", a tuple into a list) or fail with a TypeError, a ValueError not naming the key, or a
+// RecursionError; so the value is walked first and anything but dict / list / tuple / str /
+// int / float / bool / None, a key that is not a str, a float that is not finite, a str that is
+// not valid Unicode (a lone surrogate) and nesting past kMaxJsonNesting (a dict holding itself)
+// is a ConfigError naming its key path, as every other problem with a config is.
+std::string configError(const std::string& source, const std::string& path, const std::string& what) {
+  return validUtf8(detail::configMessagePrefix(source) + (path.empty() ? "the top level" : path) + ": " + what);
+}
+
+// The str's UTF-8, or nullopt with the Python error cleared when it holds a lone surrogate.
+std::optional<std::string> utf8Of(const py::handle& text) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return std::string(data, static_cast<size_t>(size));
+}
+
+void checkJsonValue(const py::handle& value, const std::string& path, int depth) {
+  const char* source = "<dict>";
+  if (py::isinstance<py::dict>(value) || py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+    if (depth >= kMaxJsonNesting) throw ConfigError(configError(source, path, jsonTooDeepMessage()));
+  }
+  if (py::isinstance<py::dict>(value)) {
+    for (const auto& [key, item] : py::reinterpret_borrow<py::dict>(value)) {
+      if (!py::isinstance<py::str>(key)) {
+        throw ConfigError(configError(source, path, "the key " + shortText(py::repr(key).cast<std::string>(), 60) +
+                                                        " is a " + Py_TYPE(key.ptr())->tp_name +
+                                                        "; JSON object keys are strings"));
+      }
+      const auto name = utf8Of(key);
+      if (!name) {
+        throw ConfigError(configError(source, path, "a key holds a lone surrogate, which is not valid Unicode"));
+      }
+      checkJsonValue(item, path.empty() ? *name : path + "." + *name, depth + 1);
+    }
+  } else if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+    size_t i = 0;
+    for (const auto& item : value) checkJsonValue(item, path + "[" + std::to_string(i++) + "]", depth + 1);
+  } else if (py::isinstance<py::str>(value)) {
+    if (!utf8Of(value)) throw ConfigError(configError(source, path, "the string holds a lone surrogate, which is not valid Unicode"));
+  } else if (py::isinstance<py::float_>(value)) {
+    if (!std::isfinite(value.cast<double>())) {
+      throw ConfigError(configError(source, path, "must be a finite number, got " + py::repr(value).cast<std::string>()));
+    }
+  } else if (!(value.is_none() || py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value))) {
+    throw ConfigError(configError(source, path, std::string("a ") + Py_TYPE(value.ptr())->tp_name +
+                                                    " is not a JSON value (use dict, list, str, int, float, bool "
+                                                    "or None)"));
+  }
+}
+
 Config fromDict(const py::object& dict) {
-  // allow_nan=False: NaN and infinity are not JSON; json.dumps then raises a ValueError naming
-  // them instead of writing text that the C++ parser would reject with a less clear message.
+  checkJsonValue(dict, "", 0);
   const auto text = py::module_::import("json").attr("dumps")(dict, py::arg("allow_nan") = false);
   return Config::fromJsonString(text.cast<std::string>(), "<dict>");
+}
+
+// A str is read as its UTF-8; one holding a lone surrogate (which has none) is a ConfigError
+// rather than pybind's TypeError about the argument's type. bytes are read as they are.
+Config fromJsonText(const py::object& text) {
+  if (py::isinstance<py::bytes>(text)) return Config::fromJsonString(text.cast<std::string>());
+  if (!py::isinstance<py::str>(text)) {
+    throw py::type_error(std::string("Config.from_json takes a str (or bytes), got ") + Py_TYPE(text.ptr())->tp_name);
+  }
+  const auto utf8 = utf8Of(text);
+  if (!utf8) {
+    throw ConfigError(detail::configMessagePrefix("<string>") +
+                      "the text holds a lone surrogate, which is not valid Unicode, so it is not JSON text");
+  }
+  return Config::fromJsonString(*utf8);
 }
 
 py::dict batchSizes(const Config& config, int64_t worldSize) {
@@ -163,7 +237,7 @@ void bindConfig(py::module_& m) {
                      "from_json or from_dict; errors raise ValueError naming the key path.")
       .def_static("from_file", [](const std::string& path) { return warned(Config::fromFile(path)); },
                   py::arg("path"))
-      .def_static("from_json", [](const std::string& text) { return warned(Config::fromJsonString(text)); },
+      .def_static("from_json", [](const py::object& text) { return warned(fromJsonText(text)); },
                   py::arg("text"))
       .def_static("from_dict", [](const py::object& d) { return warned(fromDict(d)); }, py::arg("d"))
       .def_readonly("source", &Config::source)

@@ -64,6 +64,10 @@ size_t writeConsolidatedSafetensors(CheckpointReader& reader, const std::string&
       const SavedParam* param = reader.paramOfStateDictEntry(names[i]);
       if (!param) {
         const at::Tensor t = reader.readModuleState(names[i]);  // buffers: small, kept as saved
+        TORCH_CHECK(t.scalar_type() == entries[i].dtype && t.sizes() == c10::IntArrayRef(entries[i].shape),
+                    "zeroshard convert: checkpoint '", reader.path(), "': '", names[i], "' in ", kModuleStateFile,
+                    " is ", t.scalar_type(), " ", t.sizes(), ", the manifest says ", entries[i].dtype, " ",
+                    c10::IntArrayRef(entries[i].shape), "; the checkpoint is damaged");
         writer.write(t);
         progress.advance(static_cast<int64_t>(t.nbytes()));
         continue;

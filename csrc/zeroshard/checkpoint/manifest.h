@@ -110,6 +110,11 @@ struct CheckpointManifest {
 };
 
 
+// manifest.json's text for a manifest body edited outside zeroshard (by a tool, by hand, by the
+// fuzz tests): the body as given, with the checksum of its text (Note [manifest checksum]).
+// Nothing in the body is checked; fromJsonText checks it.
+std::string manifestTextForBody(const std::string& bodyJson);
+
 // File digests as the manifest writes them (the ranks send theirs to rank 0 this way).
 std::string digestsToJson(const std::vector<FileDigest>& digests);
 std::vector<FileDigest> digestsFromJson(const std::string& text);

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zeroshard/config/json_input.h"
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -74,9 +76,9 @@ PretrainedFiles::PretrainedFiles(std::string path) : path_(std::move(path)) {
 void PretrainedFiles::openIndex(const std::string& indexPath) {
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(readSmallFile(indexPath));
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "zeroshard: index '", indexPath, "' is not valid JSON: ", e.what());
+    index = parseNestingBounded<nlohmann::json>(readSmallFile(indexPath));
+  } catch (const std::exception& e) {  // nlohmann's, or JsonTooDeep
+    TORCH_CHECK(false, "zeroshard: index '", indexPath, "' is not valid JSON: ", validUtf8(e.what()));
   }
   TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
               "zeroshard: index '", indexPath, "' has no \"weight_map\" object (tensor name -> shard file)");
@@ -85,7 +87,7 @@ void PretrainedFiles::openIndex(const std::string& indexPath) {
   std::unordered_map<std::string, size_t> shardOf;
   std::vector<std::pair<std::string, std::string>> mapped;
   for (const auto& [name, file] : index["weight_map"].items()) {
-    TORCH_CHECK(file.is_string(), "zeroshard: index '", indexPath, "' maps '", name, "' to ", file.dump(),
+    TORCH_CHECK(file.is_string(), "zeroshard: index '", indexPath, "' maps '", name, "' to ", shortText(file.dump(), 60),
                 ", not a file name");
     const std::string shard = file.get<std::string>();
     mapped.emplace_back(name, shard);

@@ -36,7 +36,41 @@ CheckpointReader::CheckpointReader(const std::string& dir, const std::optional<s
   path_ = isCheckpoint ? dir : checkpointPath(dir, resolved);
   const std::string manifestPath = (fs::path(path_) / kManifestFile).string();
   manifest_ = CheckpointManifest::fromJsonText(readManifestText(manifestPath, path_), manifestPath);
+  checkClaimsAgainstFiles();
   for (size_t i = 0; i < manifest_.params.size(); ++i) paramIndex_[manifest_.params[i].name] = i;
+}
+
+// Note [claims backed by files]: the manifest's sizes are claims; the rank files on disk are
+// what the checkpoint holds. Each rank file must have the size the manifest records (its reader
+// checks that again, with every chunk's checksum, when it opens it) and room for three fp32
+// tensors of every buffer's shard_numel. A buffer, and so any parameter in it (manifest.cpp
+// holds parameters inside their buffers), then has at most as many elements as the files have
+// bytes, so what readers allocate for a parameter, or convert for the largest one, is bounded by
+// the checkpoint's real size, never by a number in a damaged manifest.
+void CheckpointReader::checkClaimsAgainstFiles() const {
+  int64_t stateBytes = 0;
+  for (const auto& b : manifest_.buffers) {
+    // manifest.cpp bounds each shard_numel by INT64_MAX / 12 / world_size.
+    TORCH_CHECK(!__builtin_add_overflow(stateBytes, b.shardNumel * 12, &stateBytes), "zeroshard checkpoint '", path_,
+                "': the manifest's buffers hold more than 2^63 bytes");
+  }
+  for (int rank = 0; rank < manifest_.worldSize; ++rank) {
+    const std::string name = CheckpointManifest::rankFileName(rank);
+    const FileDigest& recorded = digest(name);
+    std::error_code ec;
+    const auto onDisk = fs::file_size(fs::path(path_) / name, ec);
+    TORCH_CHECK(!ec, "zeroshard checkpoint: file '", (fs::path(path_) / name).string(), "' is missing or unreadable (",
+                ec.message(), "); the checkpoint is incomplete");
+    TORCH_CHECK(onDisk == static_cast<uintmax_t>(recorded.bytes) && stateBytes <= recorded.bytes, "zeroshard checkpoint: '",
+                (fs::path(path_) / name).string(), "' has ", onDisk, " bytes; the manifest records ", recorded.bytes,
+                " and its buffers need ", stateBytes, " of them; the checkpoint is damaged");
+  }
+}
+
+const FileDigest& CheckpointReader::digest(const std::string& name) const {
+  TORCH_CHECK(manifest_.hasFile(name), "zeroshard checkpoint '", path_, "': the manifest lists no file '", name,
+              "'; the checkpoint is damaged");
+  return manifest_.file(name);
 }
 
 const SavedParam* CheckpointReader::findParam(const std::string& name) const {
@@ -53,7 +87,7 @@ SafetensorsReader& CheckpointReader::rankFile(int rank) {
   if (rankFiles_.size() == kOpenRankFiles) rankFiles_.erase(rankFiles_.begin());
   const std::string name = CheckpointManifest::rankFileName(rank);
   rankFiles_.emplace_back(rank, std::make_unique<SafetensorsReader>((fs::path(path_) / name).string(),
-                                                                    manifest_.file(name)));
+                                                                    digest(name)));
   return *rankFiles_.back().second;
 }
 
@@ -83,14 +117,14 @@ at::Tensor CheckpointReader::readParam(const std::string& name) {
 at::Tensor CheckpointReader::readModuleState(const std::string& name) {
   if (!moduleState_) {
     moduleState_ = std::make_unique<SafetensorsReader>((fs::path(path_) / kModuleStateFile).string(),
-                                                       manifest_.file(kModuleStateFile));
+                                                       digest(kModuleStateFile));
   }
   return moduleState_->read(name);
 }
 
 std::string CheckpointReader::readClientState() {
   if (!manifest_.hasFile(kClientStateFile)) return {};
-  return readCheckedFile((fs::path(path_) / kClientStateFile).string(), manifest_.file(kClientStateFile));
+  return readCheckedFile((fs::path(path_) / kClientStateFile).string(), digest(kClientStateFile));
 }
 
 std::vector<std::string> CheckpointReader::stateDictNames() const {

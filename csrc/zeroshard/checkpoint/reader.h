@@ -46,6 +46,9 @@ class CheckpointReader {
 
  private:
   SafetensorsReader& rankFile(int rank);
+  void checkClaimsAgainstFiles() const;
+  // The manifest's digest of file `name`; throws naming the checkpoint when it lists none.
+  const FileDigest& digest(const std::string& name) const;
 
   std::string path_;
   CheckpointManifest manifest_;

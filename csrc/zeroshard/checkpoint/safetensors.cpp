@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+
+#include "zeroshard/config/json_input.h"
 
 namespace zeroshard {
 namespace {
@@ -40,6 +43,17 @@ at::ScalarType dtypeNamed(const std::string& name, const char* DtypeNames::*fiel
     if (name == names.*field) return names.type;
   }
   TORCH_CHECK(false, "zeroshard: unknown or unsupported dtype '", name, "'");
+}
+
+// A whole number of a header's "shape" or "data_offsets" (the format's are unsigned 64-bit; any
+// past int64_t lies outside every file). A float, a negative or a larger number is an error:
+// nlohmann's get<int64_t> would convert a float out of range, which is undefined.
+int64_t wholeNumber(const Json& v, const std::string& path, const std::string& name, const char* field) {
+  const bool whole = v.is_number_integer() && !v.is_number_float() &&
+                     !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()));
+  TORCH_CHECK(whole && v.get<int64_t>() >= 0, "zeroshard: tensor '", name, "' in '", path, "' has ", field, " value ",
+              shortText(v.dump(), 40), ", not a whole number in [0, 2^63)");
+  return v.get<int64_t>();
 }
 
 // Header lengths beyond this are not a safetensors file (the format's own reader caps them).
@@ -117,9 +131,9 @@ SafetensorsHeader readSafetensorsHeader(const std::string& path, int64_t fileByt
   const int64_t dataBytes = fileBytes - out.dataStart;
   Json header;
   try {
-    header = Json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is not valid JSON: ", e.what());
+    header = parseNestingBounded<Json>(text);
+  } catch (const std::exception& e) {  // nlohmann's, or JsonTooDeep
+    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is not valid JSON: ", validUtf8(e.what()));
   }
   TORCH_CHECK(header.is_object(), "zeroshard: the safetensors header of '", path, "' is not a JSON object");
   std::string current;  // the entry being read, for the error
@@ -138,9 +152,13 @@ SafetensorsHeader readSafetensorsHeader(const std::string& path, int64_t fileByt
       TORCH_CHECK(known != std::end(kDtypes), "zeroshard: tensor '", name, "' in '", path, "' has dtype '", dtype,
                   "', which zeroshard does not read");
       e.dtype = known->type;
-      e.shape = value.at("shape").get<std::vector<int64_t>>();
-      e.begin = value.at("data_offsets").at(0).get<int64_t>();
-      e.end = value.at("data_offsets").at(1).get<int64_t>();
+      const Json& shape = value.at("shape");
+      const Json& offsets = value.at("data_offsets");
+      TORCH_CHECK(shape.is_array() && offsets.is_array() && offsets.size() == 2, "zeroshard: tensor '", name, "' in '",
+                  path, "' needs \"shape\" as an array and \"data_offsets\" as [begin, end]");
+      for (const Json& d : shape) e.shape.push_back(wholeNumber(d, path, name, "shape"));
+      e.begin = wholeNumber(offsets[0], path, name, "data_offsets");
+      e.end = wholeNumber(offsets[1], path, name, "data_offsets");
       // The byte length of the shape, computed without overflow: any product past the data
       // area is wrong already.
       int64_t bytes = static_cast<int64_t>(c10::elementSize(e.dtype));
@@ -161,7 +179,8 @@ SafetensorsHeader readSafetensorsHeader(const std::string& path, int64_t fileByt
       out.entries.push_back(std::move(e));
     }
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is malformed at '", current, "': ", e.what());
+    TORCH_CHECK(false, "zeroshard: the safetensors header of '", path, "' is malformed at '", current, "': ",
+                validUtf8(e.what()));
   }
   return out;
 }

@@ -50,7 +50,7 @@ Json ConfigReader::parse(const std::string& text) const {
   };
   std::vector<Frame> frames;
   std::string duplicate;
-  auto onEvent = [&](int /*depth*/, nlohmann::json::parse_event_t event, Json& parsed) {
+  auto onEvent = [&](int depth, nlohmann::json::parse_event_t event, Json& parsed) {
     using Event = nlohmann::json::parse_event_t;
     if (event == Event::object_start || event == Event::array_start) {
       std::string path;
@@ -58,6 +58,8 @@ Json ConfigReader::parse(const std::string& text) const {
         const Frame& parent = frames.back();
         path = parent.isArray ? parent.path + "[]" : join(parent.path, parent.lastKey);
       }
+      // Note [JSON nesting bound] (json_input.h).
+      if (opensTooDeep(depth, event)) fail(path + ": " + jsonTooDeepMessage() + "; no config key nests like that");
       frames.push_back(Frame{path, event == Event::array_start, {}, {}});
     } else if (event == Event::object_end || event == Event::array_end) {
       frames.pop_back();

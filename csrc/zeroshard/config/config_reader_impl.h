@@ -15,6 +15,7 @@
 #include "zeroshard/config/config.h"
 #include "zeroshard/config/config_keys.h"
 #include "zeroshard/config/config_reader.h"
+#include "zeroshard/config/json_input.h"
 
 namespace zeroshard::detail {
 
@@ -51,8 +52,7 @@ inline std::string join(const std::string& path, const std::string& key) {
 // A value as a person should see it in a message: its JSON text, with the type named where the
 // text alone would not say it, and cut short if long.
 inline std::string describe(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  const std::string text = shortText(value.dump(), 60);
   if (value.is_string()) return "string " + text;
   if (value.is_boolean()) return "boolean " + text;
   if (value.is_object()) return "object " + text;
@@ -84,7 +84,8 @@ class ConfigReader {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw ConfigError(configMessagePrefix(config_.source) + what);
+    // The source is the caller's path; `what` may quote the parser's last bytes.
+    throw ConfigError(validUtf8(configMessagePrefix(config_.source) + what));
   }
 
   Json parse(const std::string& text) const;

@@ -20,6 +20,7 @@ from zeroshard.optimizer_view import EngineOptimizer
 from zeroshard import pretrained as _pretrained
 from zeroshard.pretrained import PretrainedLoad
 from zeroshard.launch import init_distributed
+from zeroshard.peers import names_missing_ranks
 
 def _load_config(config):
     if isinstance(config, _C.Config):
@@ -63,6 +64,7 @@ class Engine:
         # A callable returning the client_state of the checkpoints saved on the clock (None: none).
         self.clock_client_state = None
 
+    @names_missing_ranks
     def __call__(self, *args, **kwargs):
         self._core.begin_forward()  # wall_clock_breakdown's forward time
         try:
@@ -72,10 +74,12 @@ class Engine:
 
     forward = __call__
 
+    @names_missing_ranks
     def backward(self, loss):
         """Backpropagates loss / gradient_accumulation_steps and reduces the gradients."""
         self._core.backward(loss)
 
+    @names_missing_ranks
     def step(self):
         """Call after every backward; steps the optimizer at the accumulation boundary.
 
@@ -161,6 +165,7 @@ class Engine:
         gathers and "inter" the collectives over the world."""
         return self._core.comm_stats()
 
+    @names_missing_ranks
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         """Saves a sharded checkpoint to save_dir/tag (default tag: "global_step<N>").
 
@@ -181,6 +186,7 @@ class Engine:
         self._refresh_module_state()
         return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error)
 
+    @names_missing_ranks
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
 
@@ -216,6 +222,7 @@ class Engine:
             self.lr_scheduler.load_state_dict(scheduler_state)
         return path, client_state
 
+    @names_missing_ranks
     def load_pretrained(self, path, strict=True, key_mapping=None):
         """Loads pretrained weights by state-dict name from a safetensors checkpoint: a
         .safetensors file, a directory with model.safetensors, or a Hugging Face sharded one

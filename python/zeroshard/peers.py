@@ -2,7 +2,8 @@
 
 Gloo and NCCL say only that a peer's connection closed (an address and a port, no rank). The job
 still has its store (torchrun's agent serves it, or rank 0 without torchrun), so after a failure
-each surviving rank writes that it is alive and reads, for a few seconds, which ranks wrote too:
+each surviving rank writes that it is alive and reads, for up to the collective timeout (at most
+30 s) after the first failure, which ranks wrote too:
 the ones that did not are the dead rank(s), or ranks still blocked in a collective that has not
 failed for them yet. The error then says so, and which rank's log holds the cause.
 

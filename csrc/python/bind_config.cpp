@@ -164,8 +164,11 @@ void bindConfig(py::module_& m) {
       .def_readonly("stage", &ZeroConfig::stage)
       .def_readonly("reduce_bucket_size", &ZeroConfig::reduceBucketSize)
       .def_readonly("allgather_bucket_size", &ZeroConfig::allgatherBucketSize)
-      .def_property_readonly("overlap_comm", &ZeroConfig::overlapCommResolved,
-                             "Resolved: when not set, true at stage 3 and false below.")
+      .def_property_readonly(
+          "overlap_comm", [](const ZeroConfig& z) { return z.overlapComm; },
+          "As set; None when not set: then on at stage 3 and wherever the gradients are on a GPU.")
+      .def("overlap_comm_on", &ZeroConfig::overlapCommResolved, py::arg("grads_on_gpu"),
+           "Whether an engine overlaps gradient reductions with backward, for gradients on a GPU or not.")
       .def_readonly("stage3_prefetch_bucket_size", &ZeroConfig::stage3PrefetchBucketSize)
       .def_readonly("stage3_param_persistence_threshold",
                     &ZeroConfig::stage3ParamPersistenceThreshold)
@@ -191,7 +194,8 @@ void bindConfig(py::module_& m) {
       .def_readonly("batch_guard", &ZeroshardExtras::batchGuard)
       .def_readonly("nonfinite", &ZeroshardExtras::nonfinite)
       .def_readonly("shard_group_size", &ZeroshardExtras::shardGroupSize)
-      .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions);
+      .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions)
+      .def_readonly("stage3_gather_stream", &ZeroshardExtras::stage3GatherStream);
 
   m.def(
       "_resolve_auto",

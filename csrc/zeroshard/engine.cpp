@@ -127,7 +127,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), shardComm(),
                                                  config_.zero.stage3PrefetchBucketSize,
                                                  config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
-                                                 plan_.pinParams(), secondaryGroup_ ? &*secondaryGroup_ : nullptr);
+                                                 plan_.pinParams(), secondaryGroup_ ? &*secondaryGroup_ : nullptr,
+                                                 config_.extras.stage3GatherStream);
     units_ = units.get();
     params_ = std::move(units);
   } else {
@@ -158,7 +159,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   // ranks' scaled gradients stays inside fp16's range.
   reduction.preDivide = computeDtype_ == at::kHalf;
   reduction.reduceInFloat = config_.extras.reduceDtype == "fp32";
-  reduction.overlap = config_.zero.overlapCommResolved();
+  const bool gradsOnGpu = !buckets_.front().flatParams().device().is_cpu();
+  reduction.overlap = config_.zero.overlapCommResolved(gradsOnGpu);
   reduction.maxInFlight = config_.extras.maxInflightReductions;
   if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterGradReduce(UnitIndex{bucket}); };
   reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));

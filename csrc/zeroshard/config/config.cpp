@@ -39,7 +39,7 @@ double SchedulerConfig::param(const std::string& key) const {
                           " has no value for \"" + key + "\"");
 }
 
-bool ZeroConfig::overlapCommResolved() const { return overlapComm.value_or(stage == 3); }
+bool ZeroConfig::overlapCommResolved(bool gradsOnGpu) const { return overlapComm.value_or(stage == 3 || gradsOnGpu); }
 
 Config Config::fromJsonString(const std::string& text, const std::string& source) {
   return detail::readConfig(text, source);
@@ -159,10 +159,12 @@ std::string Config::toJsonString() const {
       {"stage", zero.stage},
       {"reduce_bucket_size", zero.reduceBucketSize},
       {"allgather_bucket_size", zero.allgatherBucketSize},
-      {"overlap_comm", zero.overlapCommResolved()},
       {"stage3_prefetch_bucket_size", zero.stage3PrefetchBucketSize},
       {"stage3_param_persistence_threshold", zero.stage3ParamPersistenceThreshold},
       {"stage3_max_live_parameters", zero.stage3MaxLiveParameters}};
+  // Unset below stage 3 it depends on the device (on with GPU gradients): left out, so that a
+  // config written back decides the same way wherever it is read.
+  if (zero.overlapComm || zero.stage == 3) j["zero_optimization"]["overlap_comm"] = zero.overlapCommResolved(false);
   j["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = zero.gather16bitWeightsOnModelSave;
   j["zero_optimization"]["offload_optimizer"] = {{"device", zero.offloadOptimizer.toHost ? "cpu" : "none"},
                                                  {"pin_memory", zero.offloadOptimizer.pinMemory},
@@ -199,6 +201,7 @@ std::string Config::toJsonString() const {
                     {"checkpoint", {{"keep_last", extras.checkpointKeepLast},
                                     {"every_minutes", extras.checkpointEveryMinutes}}},
                     {"max_inflight_reductions", extras.maxInflightReductions},
+                    {"stage3_gather_stream", extras.stage3GatherStream},
                     {"batch_guard", extras.batchGuard},
                     {"nonfinite", extras.nonfinite}};
   if (!extras.checkpointDir.empty()) j["zeroshard"]["checkpoint"]["dir"] = extras.checkpointDir;

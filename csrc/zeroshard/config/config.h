@@ -73,7 +73,7 @@ struct ZeroConfig {
   int64_t stage = 0;
   int64_t reduceBucketSize = 500000000;
   int64_t allgatherBucketSize = 500000000;
-  std::optional<bool> overlapComm;  // unset: the stage decides, see overlapCommResolved()
+  std::optional<bool> overlapComm;  // unset: the stage and device decide, see overlapCommResolved()
   // contiguous_gradients is read but has no field: gradients are always contiguous here (stages
   // 0 and 1 accumulate into one flat buffer, stages 2 and 3 copy each final gradient into a flat
   // staging buffer), so `false` is a warning (docs/config.md).
@@ -96,8 +96,12 @@ struct ZeroConfig {
   // (DeepSpeed's default); at stages 0-2 it is ignored with a warning.
   int64_t hpzPartitionSize = 1;
 
-  // DeepSpeed's default: overlap at stage 3, not below.
-  bool overlapCommResolved() const;
+  // Unset: on at stage 3 (DeepSpeed's default) and wherever the gradients are on a GPU. Below
+  // stage 3 DeepSpeed leaves it off; on a GPU that makes the compute stream wait for every
+  // bucket's reduction in turn, which cost little before max_inflight_reductions bounded the
+  // staging buffers overlap keeps alive, and now costs the overlap for nothing (Note [overlap
+  // on GPUs] in docs/config.md's overlap_comm row).
+  bool overlapCommResolved(bool gradsOnGpu) const;
 };
 
 // "scheduler": one of DeepSpeed's learning-rate schedules (deepspeed/runtime/lr_schedules.py),
@@ -151,6 +155,11 @@ struct ZeroshardExtras {
   // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
   // one being filled exist (as FSDP2 bounds its reduce-scatter states).
   int64_t maxInflightReductions = 2;
+  // Stage 3 on a GPU: issue prefetched unit all-gathers (and an offloaded shard's copy to the
+  // device) from a side stream that waits only for what they read, not for the compute queued
+  // before them, as FSDP2's all-gather stream does (Note [gather stream]). Off until a GPU run
+  // has checked it; CPUs have no streams and ignore it.
+  bool stage3GatherStream = false;
   // Hybrid sharding (zero_optimization.mics_shard_size, or zeroshard.shard_group_size): states
   // are sharded over groups of this many consecutive ranks and replicated across the groups.
   // 0 = one group of the whole world; kShardGroupNode = the ranks of one node (LOCAL_WORLD_SIZE).
@@ -197,8 +206,8 @@ struct Config {
   // ones are derived and must divide exactly. Throws ConfigError.
   BatchSizes batchSizes(int64_t worldSize) const;
 
-  // Every resolved field under its DeepSpeed key (unset batch sizes are left out; overlap_comm
-  // is written resolved). fromJsonString(toJsonString()) gives back the same values.
+  // Every resolved field under its DeepSpeed key (unset batch sizes and an unset overlap_comm,
+  // which the device decides, are left out). fromJsonString(toJsonString()) gives back the same values.
   std::string toJsonString() const;
 };
 

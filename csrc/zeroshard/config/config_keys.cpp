@@ -73,7 +73,7 @@ const std::vector<ConfigSection>& allSections() {
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
         "checkpoint", "max_inflight_reductions", "shard_group_size", "batch_guard",
-        "nonfinite"},
+        "nonfinite", "stage3_gather_stream"},
        {}},
       {"zeroshard.checkpoint", {"keep_last", "every_minutes", "dir"}, {}},
   };

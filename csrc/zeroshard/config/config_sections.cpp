@@ -13,6 +13,7 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
   readNumber(o, path, "collective_timeout_seconds", kPositive, extras.collectiveTimeoutSeconds);
   readBool(o, path, "reshard_after_forward", extras.reshardAfterForward);
   readInt(o, path, "max_inflight_reductions", kPositiveInt, extras.maxInflightReductions);
+  readBool(o, path, "stage3_gather_stream", extras.stage3GatherStream);
   readShardGroupSize(o, path, "shard_group_size");
   if (const Json* checkpoint = object(o, path, "checkpoint")) {
     const std::string checkpointPath = join(path, "checkpoint");

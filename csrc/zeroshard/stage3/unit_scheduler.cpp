@@ -2,6 +2,7 @@
 
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -17,13 +18,14 @@ namespace zeroshard {
 
 UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                            int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin,
-                           Communicator* secondary)
+                           Communicator* secondary, bool gatherStream)
     : units_(units),
       policies_(std::move(policies)),
       comm_(comm),
       prefetchElements_(prefetchElements),
       maxLiveElements_(maxLiveElements),
-      secondary_(secondary) {
+      secondary_(secondary),
+      gatherStream_(gatherStream) {
   TORCH_CHECK(policies_.size() == units_.size(), "zeroshard: ", units_.size(), " units but ", policies_.size(),
               " policies");
   states_.assign(units_.size(), UnitState::kSharded);
@@ -49,11 +51,34 @@ const std::string& UnitScheduler::nameOf(size_t unit) const {
   return units_.at(unit).layout().params().front().name;
 }
 
-void UnitScheduler::startUnshard(size_t u) {
+// Note [gather stream]: with zeroshard.stage3_gather_stream on a GPU, a gather issued ahead of
+// its unit's use (a prefetch) runs from a side stream, as FSDP2's all-gather stream does. Made
+// current there, the side stream is what the buffer is allocated on, what an offloaded shard's
+// host-to-device copy runs on, and all that c10d orders the collective after: the gather no
+// longer waits for every kernel queued on the compute stream, so it can run more than the one
+// unit ahead that compute-stream ordering allows. What it must still wait for:
+//   - what it reads: the shards, last written before the pass (an optimizer step, a load) or,
+//     for hpZ's secondary shards, during the forward. The side stream waits for the event
+//     markPassStart() records on the compute stream at the start of each forward and each
+//     backward: everything queued before the pass, no kernel of it.
+//   - the memory it allocates: a block freed by a unit released on the compute stream is
+//     handed out again on the side stream only after the side stream waited for that release
+//     (orderAllocationAfterUse, Note [release after use]).
+// The compute stream waits for the gather itself in unshard(): CommHandle::wait() is called
+// with the compute stream current, before the unit's kernels are queued. Gathers that are
+// needed at once (unshard() of a unit that was not prefetched) stay on the compute stream:
+// they would be waited for immediately anyway. On CPUs there are no streams; nothing changes.
+void UnitScheduler::startUnshard(size_t u, bool ahead) {
   if (states_[u] != UnitState::kSharded) return;
   auto& unit = units_[u];
-  unit.materializeFlatParams();
   const auto device = unit.flatParams().device();
+  std::optional<c10::StreamGuard> onGatherStream;
+  if (ahead && gatherStream_ && !device.is_cpu() && passStart_) {
+    if (!sideStream_) sideStream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+    passStart_->block(*sideStream_);
+    onGatherStream.emplace(*sideStream_);
+  }
+  unit.materializeFlatParams();
   if (!device.is_cpu()) allocStreams_[u] = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
   pending_[u] = startGather(u);
   states_[u] = UnitState::kGathering;
@@ -139,7 +164,14 @@ void UnitScheduler::prefetch(size_t u) {
   if (states_[u] != UnitState::kSharded || prefetchElements_ <= 0) return;
   const int64_t numel = units_[u].layout().paddedNumel();
   if (liveElements_ + numel > maxLiveElements_) return;
-  startUnshard(u);
+  startUnshard(u, /*ahead=*/true);
+}
+
+void UnitScheduler::markPassStart(const at::Tensor& like) {
+  const auto device = like.device();
+  if (!gatherStream_ || device.is_cpu()) return;
+  if (!passStart_) passStart_.emplace(device.type());
+  passStart_->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
 }
 
 // Note [release after use]: the caching allocator hands a freed block out again in the order of
@@ -169,6 +201,7 @@ void UnitScheduler::preForward(UnitIndex unit) {
     order_.push_back(u);
   } else if (!recording_ && training) {
     if (forwardPos_ == order_.size()) forwardPos_ = 0;  // a forward that had no backward
+    if (forwardPos_ == 0) markPassStart(units_[u].flatParams());
     TORCH_CHECK(forwardPos_ < order_.size() && order_[forwardPos_] == u, "zeroshard stage 3: unit '", nameOf(u),
                 "' ran at position ", forwardPos_, " of this forward, but the first step ran ",
                 forwardPos_ < order_.size() ? "'" + nameOf(order_[forwardPos_]) + "'" : std::string("no unit"),
@@ -183,6 +216,7 @@ void UnitScheduler::preForward(UnitIndex unit) {
 
 void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs) {
   const size_t u = unit.value;
+  if (recording_ && c10::GradMode::is_enabled()) postOrder_.push_back(u);
   if (c10::GradMode::is_enabled()) {
     for (const auto& out : outputs) {
       if (out.defined() && out.requires_grad()) {
@@ -195,16 +229,23 @@ void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& o
   }
 }
 
+// Note [backward prefetch order]: backward runs the units in the reverse of the order their
+// forwards finished, not started. The two differ when a unit's forward encloses others: the
+// root unit (embeddings, head), whose module is the whole model, starts first and finishes
+// last, and its gradient arrives first. Walking the start order backwards from the root finds
+// nothing before it, so no block would ever be prefetched; walking the finish order backwards
+// goes root, last block, ..., first block, as FSDP2's post-forward order does.
 void UnitScheduler::preBackward(UnitIndex unit) {
   const size_t u = unit.value;
+  if (!recording_ && backwardPos_ == postOrder_.size()) markPassStart(units_[u].flatParams());
   unshard(u);
   if (recording_) return;
-  // Walk the recorded order backwards: the unit before this one runs its backward next.
-  size_t pos = std::min(backwardPos_, order_.size());
-  while (pos > 0 && order_[pos - 1] != u) --pos;
+  // The unit before this one in the finish order runs its backward next.
+  size_t pos = std::min(backwardPos_, postOrder_.size());
+  while (pos > 0 && postOrder_[pos - 1] != u) --pos;
   if (pos > 0) {
     backwardPos_ = pos - 1;
-    if (backwardPos_ > 0) prefetch(order_[backwardPos_ - 1]);
+    if (backwardPos_ > 0) prefetch(postOrder_[backwardPos_ - 1]);
   }
 }
 
@@ -219,7 +260,7 @@ void UnitScheduler::finishBackward() {
     recording_ = false;
   }
   forwardPos_ = 0;
-  backwardPos_ = order_.size();
+  backwardPos_ = postOrder_.size();
 }
 
 void UnitScheduler::checkOrderAcrossRanks() {

@@ -2,13 +2,15 @@
 // usually one transformer block) is all-gathered before its forward, freed after it, gathered
 // again before its backward and freed once its gradients are reduce-scattered.
 //
-// The first forward records the order units run in; later forwards prefetch the next unit's
-// all-gather while the current one computes, and backwards prefetch the previous one. The
-// recorded order is compared across ranks once (a mismatch is an error naming the units), and
-// every later training forward must follow it.
+// The first forward records the order units start their forward in, and the order they finish
+// it in; later forwards prefetch the next unit's all-gather (in start order) while the current
+// one computes, and backwards prefetch along the reversed finish order (Note [backward
+// prefetch order]). The recorded order is compared across ranks once (a mismatch is an error
+// naming the units), and every later training forward must follow it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include "zeroshard/layout/bucket.h"
@@ -47,9 +49,12 @@ class UnitScheduler final : public ParamStorage {
   // secondary shard, in the compute dtype); gathers from then on until its gradients are
   // reduced (its backward, a recomputed forward) run over `secondary` from those slices, and
   // it is dropped once the unit's gradients are reduced or the shards change (a step).
+  //
+  // `gatherStream` (zeroshard.stage3_gather_stream, GPUs only): prefetched gathers and their
+  // host-to-device copies are issued from a side stream (Note [gather stream]).
   UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false,
-               Communicator* secondary = nullptr);
+               Communicator* secondary = nullptr, bool gatherStream = false);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
   void preForward(UnitIndex unit);
@@ -77,6 +82,9 @@ class UnitScheduler final : public ParamStorage {
   // releaseUnit() undoes a true. Both are counted in peakGatheredBytes() like any gather.
   bool gatherUnit(UnitIndex unit);
   void releaseUnit(UnitIndex unit) { reshard(unit.value); }
+  // Whether unit u's gather has been issued (gathering or gathered): after a prefetch, before
+  // the unit's own hook. Kept-gathered units always are.
+  bool isUnsharded(UnitIndex unit) const { return states_.at(unit.value) != UnitState::kSharded; }
   // Bytes of unit parameters gathered now (kept-gathered units, always whole, not included).
   int64_t gatheredBytes() const { return liveBytes_; }
   // Between steps a unit holds its shard; kept-gathered units also hold the full buffer.
@@ -98,7 +106,11 @@ class UnitScheduler final : public ParamStorage {
   }
 
  private:
-  void startUnshard(size_t unit);
+  // `ahead`: a prefetch, issued from the gather stream when there is one.
+  void startUnshard(size_t unit, bool ahead = false);
+  // Gather stream: the compute stream's position at the start of a forward or backward, which
+  // every gather issued ahead during it waits for (Note [gather stream]).
+  void markPassStart(const at::Tensor& like);
   void unshard(size_t unit);
   // `keepSecondary` (hpZ, after a training forward): keep this rank's secondary shard of the
   // unit; otherwise it is dropped too.
@@ -127,7 +139,11 @@ class UnitScheduler final : public ParamStorage {
   std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;
-  std::vector<size_t> order_;
+  std::vector<size_t> order_;      // the units in the order their forwards started (first step)
+  std::vector<size_t> postOrder_;  // ... and in the order their forwards finished
+  bool gatherStream_;
+  std::optional<c10::Stream> sideStream_;  // the gather stream, made at the first prefetch on a GPU
+  std::optional<c10::Event> passStart_;    // recorded on the compute stream at each pass's start
   bool recording_ = true;
   size_t forwardPos_ = 0;
   size_t backwardPos_ = 0;

@@ -88,7 +88,7 @@ class Tuning:
         return cls(reduce_bucket_size=z["reduce_bucket_size"],
                    persistence_threshold=z["stage3_param_persistence_threshold"],
                    prefetch_bucket_size=z["stage3_prefetch_bucket_size"],
-                   max_live_parameters=z["stage3_max_live_parameters"], overlap_comm=z["overlap_comm"],
+                   max_live_parameters=z["stage3_max_live_parameters"], overlap_comm=z.get("overlap_comm", True),
                    max_inflight_reductions=extras["max_inflight_reductions"],
                    reshard_after_forward=extras["reshard_after_forward"],
                    reduce_in_fp32=extras["reduce_dtype"] == "fp32", unit_classes=tuple(extras["stage3_unit_classes"]),

@@ -62,17 +62,19 @@ TEST_CASE("an empty object gives DeepSpeed's defaults and no warnings") {
   CHECK(c.extras.collectiveTimeoutSeconds == 600);
 }
 
-TEST_CASE("overlap_comm defaults to true at stage 3 only, as in DeepSpeed") {
+TEST_CASE("overlap_comm defaults to true at stage 3 and for GPU gradients, to false below stage 3 on CPUs") {
   for (int stage = 0; stage <= 3; ++stage) {
     const Config c = Config::fromJsonString(
         "{\"zero_optimization\": {\"stage\": " + std::to_string(stage) + "}}");
-    CHECK(c.zero.overlapCommResolved() == (stage == 3));
+    CHECK(c.zero.overlapCommResolved(/*gradsOnGpu=*/false) == (stage == 3));
+    CHECK(c.zero.overlapCommResolved(/*gradsOnGpu=*/true));
   }
   const Config off = Config::fromJsonString(
       R"({"zero_optimization": {"stage": 3, "overlap_comm": false}})");
-  CHECK(!off.zero.overlapCommResolved());
+  CHECK(!off.zero.overlapCommResolved(false));
+  CHECK(!off.zero.overlapCommResolved(true));
   const Config on = Config::fromJsonString(R"({"zero_optimization": {"overlap_comm": true}})");
-  CHECK(on.zero.overlapCommResolved());
+  CHECK(on.zero.overlapCommResolved(false));
 }
 
 TEST_CASE("every message starts with the source") {
@@ -381,7 +383,7 @@ TEST_CASE("a realistic DeepSpeed config parses with its values and warnings") {
   CHECK(c.zero.stage == 2);
   CHECK(c.zero.allgatherBucketSize == 200000000);
   CHECK(c.zero.reduceBucketSize == 200000000);
-  CHECK(c.zero.overlapCommResolved());
+  CHECK(c.zero.overlapComm == std::optional<bool>(true));
   CHECK(c.stepsPerPrint == 2000);
   CHECK(!c.wallClockBreakdown);
   // allgather_partitions and reduce_scatter true are what zeroshard does, and so is offload.
@@ -526,14 +528,18 @@ TEST_CASE("toJsonString round-trips every field exactly") {
   CHECK(back.zero.stage == original.zero.stage);
   CHECK(back.zero.reduceBucketSize == original.zero.reduceBucketSize);
   CHECK(back.zero.allgatherBucketSize == original.zero.allgatherBucketSize);
-  CHECK(back.zero.overlapCommResolved() == original.zero.overlapCommResolved());
+  CHECK(back.zero.overlapComm == original.zero.overlapComm);
   CHECK(back.extras.maxInflightReductions == original.extras.maxInflightReductions);
   CHECK(back.zero.stage3PrefetchBucketSize == original.zero.stage3PrefetchBucketSize);
   CHECK(back.zero.stage3ParamPersistenceThreshold == original.zero.stage3ParamPersistenceThreshold);
   CHECK(back.zero.stage3MaxLiveParameters == original.zero.stage3MaxLiveParameters);
   CHECK(back.extras.collectiveTimeoutSeconds == original.extras.collectiveTimeoutSeconds);
-  // The defaults round-trip too, with overlap_comm written out resolved.
+  // The defaults round-trip too; an unset overlap_comm below stage 3 stays unset (the device
+  // decides), at stage 3 it is written resolved.
   const std::string defaults = Config::fromJsonString("{}").toJsonString();
   CHECK(Config::fromJsonString(defaults).toJsonString() == defaults);
-  REQUIRE(missing(defaults, "\"overlap_comm\": false") == "");
+  CHECK(defaults.find("overlap_comm") == std::string::npos);
+  CHECK(!Config::fromJsonString(defaults).zero.overlapComm.has_value());
+  const std::string stage3 = Config::fromJsonString(R"({"zero_optimization": {"stage": 3}})").toJsonString();
+  REQUIRE(missing(stage3, "\"overlap_comm\": true") == "");
 }

@@ -19,6 +19,7 @@ from training import MICRO, AdamWReference, engine_config, train_global_batches
 
 STEPS = 3
 UNITS_THRESHOLD = 40  # stage3_param_persistence_threshold of test_stage3_units_lists_...
+PREFETCH_LAYERS = 4  # blocks of test_each_blocks_backward_finds_the_next_block_gathered_ahead
 
 
 class SkipBlock(Block):
@@ -131,6 +132,7 @@ def runs():
     cases = {ws: {name: (_train, variant, config, eval_forward)
                   for name, (variant, config, _, eval_forward) in _trained(ws).items()} for ws in WORLD_SIZES}
     cases[2]["units"] = (_units, UNITS_THRESHOLD)
+    cases[2]["backward_prefetch"] = (_backward_prefetch,)
     cases[2]["order_mismatch"] = (_order_mismatch,)  # last: its engines stop in the middle of a backward
     return SharedRuns(cases)
 
@@ -240,6 +242,49 @@ def test_a_unit_larger_than_the_prefetch_size_is_still_prefetched(runs):
     results = _check_against_reference(runs, world_size, "prefetch_size_1")
     for _, _, _, mem, _ in results:
         assert mem["gathered_peak"] > 4 * (root + max(blocks))
+
+
+def _backward_prefetch(rank, world_size):
+    """Per step, for each block but the first: whether, when the gradient reaches the block's
+    output (a hook registered after the engine's own), the block before it, whose backward
+    runs next, had been gathered ahead already (its parameters have storage)."""
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=PREFETCH_LAYERS)
+    engine = zeroshard.initialize(model, _config())
+    blocks = list(model.blocks)
+    seen = []
+
+    def watch(i):
+        def on_output(_module, _args, out):
+            if out.requires_grad:
+                previous = next(blocks[i - 1].parameters())
+                out.register_hook(lambda _grad: seen[-1].append((i, previous.untyped_storage().nbytes() > 0)))
+        return on_output
+
+    for i in range(1, len(blocks)):
+        blocks[i].register_forward_hook(watch(i))
+    for step in range(STEPS):
+        seen.append([])
+        tokens = global_batch(step, MICRO * world_size)[rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(model.loss(tokens))
+        engine.step()
+    return seen
+
+
+def test_each_blocks_backward_finds_the_next_block_gathered_ahead(runs):
+    """The root unit (embedding, norm, head) starts its forward before the blocks and ends it
+    after them, as in every real model. From the second step on (the first records the order),
+    backward prefetches along the order the forwards ended in, reversed: when block i's
+    backward starts, block i-1 is being gathered already, on every rank."""
+    for seen in runs.result(2, "backward_prefetch"):
+        blocks = PREFETCH_LAYERS
+        expected_blocks = list(range(blocks - 1, 0, -1))
+        assert [[i for i, _ in step] for step in seen] == [expected_blocks] * STEPS
+        assert [ready for _, ready in seen[0]] == [False] * (blocks - 1)
+        for step in seen[1:]:
+            assert [ready for _, ready in step] == [True] * (blocks - 1)
 
 
 def _units(rank, world_size, threshold):

@@ -6,7 +6,8 @@ Transients (engine.memory_stats()'s peaks, not in its total):
 - stage 3's gathered units: the root unit (gathered from its forward to its backward) plus the
   unit in use and the one prefetched (two of the largest block), in the compute dtype;
 - the gradient staging buffers of stages 2-3, in the compute dtype: the largest bucket with
-  overlap_comm off, else the max_inflight_reductions + 1 largest; at stage 3 also the root and
+  overlap_comm off, else the max_inflight_reductions + 1 largest (unset, overlap_comm is on for
+  GPU gradients, which the cards planned for hold); at stage 3 also the root and
   kept units' (fp32 sums add 4 bytes per element); at stages 0-1 only reduce_dtype "fp32"
   stages buckets (their fp32 copies);
 - 16-bit training: the fp32 copy of one gradient shard the optimizer step makes at a time.

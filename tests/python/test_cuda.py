@@ -10,7 +10,8 @@ The process group of one: cuda_runs.group. benchmarks/gpu_check.sh runs this fil
 import pytest
 import torch
 
-from cuda_runs import DEVICE, STAGE3_WAYS, STAGE_WAYS, assert_bitwise, cuda_config, group, needs_cuda, state_of  # noqa: F401 (group: a fixture)
+from cuda_runs import (DEVICE, STAGE3_WAYS, STAGE_WAYS, assert_bitwise, cuda_config, group,  # noqa: F401 (group: a fixture)
+                       needs_cuda, state_of)
 from models import global_batch, make_model
 from test_offload import OPTIMIZER, PARAMS
 from training import MICRO, adamw_reference, train_global_batches

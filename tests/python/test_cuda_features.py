@@ -14,7 +14,8 @@ skips the step and halves the scale.
 import pytest
 import torch
 
-from cuda_runs import DEVICE, STAGE_WAYS, assert_bitwise, cuda_config, group, needs_cuda, state_of  # noqa: F401 (group: a fixture)
+from cuda_runs import (DEVICE, STAGE_WAYS, assert_bitwise, cuda_config, group,  # noqa: F401 (group: a fixture)
+                       needs_cuda, state_of)
 from model_state import offloaded_state_bytes
 from models import global_batch, make_model
 from test_offload import OPTIMIZER, PARAMS, VARIANTS, _padded_elements

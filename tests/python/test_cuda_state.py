@@ -13,7 +13,8 @@ import torch
 
 from checkpoint_runs import config as checkpoint_config
 from checkpoint_runs import train
-from cuda_runs import DEVICE, assert_bitwise, group, needs_cuda, state_of, with_gather_stream  # noqa: F401 (group: a fixture)
+from cuda_runs import (DEVICE, assert_bitwise, group,  # noqa: F401 (group: a fixture)
+                       needs_cuda, state_of, with_gather_stream)
 from models import make_stateful_model
 from training import train_global_batches
 

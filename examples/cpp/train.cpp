@@ -10,7 +10,9 @@
 // micro-batches, the engine averages the gradients and shards the optimizer (and at stage 2 the
 // gradients). Rank 0 logs the loss averaged over ranks, and ends with
 //   final loss X (first loss Y)
-// where both are that average, at the last and the first step.
+// where both are that average, at the last and the first step. At stage 3 it also lists the
+// units: the elements each gathers and releases around its use, and those it keeps gathered
+// (parameters of at most stage3_param_persistence_threshold elements).
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -120,100 +122,121 @@ torch::Device trainingDevice(const std::string& name, const c10d::ProcessGroup& 
   return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
 }
 
+// Trains as the options say. Every rank returns once its last collective is done; the engine
+// (and whatever it issued through the group) is gone by then.
+void train(const Options& options, const c10::intrusive_ptr<c10d::ProcessGroup>& processGroup) {
+  const int rank = processGroup->getRank();
+  const int world = processGroup->getSize();
+  const torch::Device device = trainingDevice(options.device, *processGroup);
+
+  // The same initial model and task on every rank (the engine also broadcasts rank 0's
+  // parameters); different data per rank from here on.
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Functional(torch::tanh),
+                              torch::nn::Linear(kHidden, kHidden), torch::nn::Functional(torch::tanh),
+                              torch::nn::Linear(kHidden, kOut));
+  model->to(device);
+  const RegressionTask task{(torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))).to(device)};
+  torch::manual_seed(1 + rank);
+
+  // At stage 3 each Linear layer is a unit: gathered just for its forward and its backward.
+  const std::vector<std::string> units{"0", "2", "4"};
+  zeroshard::Engine engine(*model, processGroup, zeroshard::Config::fromFile(options.config), units);
+  const size_t root = units.size();
+  auto forward = [&](at::Tensor x) {
+    return engine.runUnit(root, [&] {
+      for (size_t i = 0; i < model->size(); ++i) {
+        auto& layer = model->begin()[static_cast<std::ptrdiff_t>(i)];
+        const auto unit = std::find(units.begin(), units.end(), std::to_string(i));
+        x = unit == units.end() ? layer.forward(x)
+                                : engine.runUnit(unit - units.begin(), [&] { return layer.forward(x); });
+      }
+      return x;
+    });
+  };
+  const auto& batch = engine.batchSizes();
+  if (rank == 0) {
+    std::cout << "zeroshard example: " << world << " rank(s), stage " << engine.stage() << ", global batch "
+              << batch.train << " = " << batch.microPerRank << " per rank x " << batch.accumulationSteps
+              << " accumulation step(s) x " << world << " rank(s), config " << options.config << ", device "
+              << device << "\n";
+    for (const auto& warning : engine.config().warnings) std::cout << "config warning: " << warning << "\n";
+    std::cout << "plan:\n" << engine.plan().describe() << "\n";
+    if (!engine.stage3Units().empty()) {
+      std::cout << "stage 3 units:";
+      for (const auto& unit : engine.stage3Units()) {
+        std::cout << " " << unit.name << " (" << unit.numel << " gathered, " << unit.persistentNumel << " kept)";
+      }
+      std::cout << "\n";
+    }
+  }
+
+  double firstLoss = 0, lastLoss = 0;
+  for (int step = 1; step <= options.steps; ++step) {
+    auto stepLoss = torch::zeros({1}, task.map.options());
+    for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
+      auto [x, y] = task.sample(batch.microPerRank);
+      // With bf16/fp16 configs the parameters are 16-bit: inputs go in at that dtype, and the
+      // loss is taken in fp32.
+      auto loss = torch::mse_loss(forward(x.to(engine.computeDtype())).to(torch::kFloat), y);
+      engine.backward(loss);
+      engine.step();
+      stepLoss += loss.detach() / static_cast<double>(batch.accumulationSteps);
+    }
+    // Logging only: the mean over ranks of this step's loss, through the same process group.
+    std::vector<at::Tensor> reduced{stepLoss};
+    processGroup->allreduce(reduced)->wait();
+    lastLoss = stepLoss.item<double>() / world;
+    if (step == 1) firstLoss = lastLoss;
+    if (rank == 0 && (step == 1 || step % 10 == 0 || step == options.steps)) {
+      std::printf("step %4d  loss %.6f", step, lastLoss);
+      // The engine measures the global norm only when it clips.
+      if (engine.config().gradientClipping > 0) std::printf("  grad norm %.4f", engine.lastGradNorm());
+      std::printf("\n");
+    }
+  }
+
+  if (rank == 0) {
+    const auto memory = engine.memoryStats();
+    const auto& comm = engine.commStats();
+    std::cout << "model state on rank 0: params " << memory.paramBytes << " B, grads " << memory.gradBytes
+              << " B, optimizer " << memory.optimizerBytes << " B, total " << memory.totalBytes() << " B\n"
+              << "last step moved " << comm.trafficBytes() << " B";
+    for (auto kind : {zeroshard::CollectiveKind::kReduceScatter, zeroshard::CollectiveKind::kAllGather,
+                      zeroshard::CollectiveKind::kAllReduce}) {
+      std::cout << ", " << zeroshard::collectiveName(kind) << " " << comm[kind].bytes << " B";
+    }
+    // Hybrid sharding and hpZ: the bytes inside a node and across nodes.
+    if (engine.plan().twoLevels()) {
+      std::cout << " (inside a node " << engine.intraStats().trafficBytes() << " B, across nodes "
+                << engine.interStats().trafficBytes() << " B)";
+    }
+    std::printf("\nfinal loss %.6f (first loss %.6f)\n", lastLoss, firstLoss);
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
+  c10::intrusive_ptr<c10d::ProcessGroup> processGroup;
   try {
     const Options options = parseArgs(argc, argv);
     defaultToSingleRank();
-    auto processGroup = zeroshard::initProcessGroupFromEnv();
-    const int rank = processGroup->getRank();
-    const int world = processGroup->getSize();
-    const torch::Device device = trainingDevice(options.device, *processGroup);
-
-    // The same initial model and task on every rank (the engine also broadcasts rank 0's
-    // parameters); different data per rank from here on.
-    torch::manual_seed(0);
-    torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Functional(torch::tanh),
-                                torch::nn::Linear(kHidden, kHidden), torch::nn::Functional(torch::tanh),
-                                torch::nn::Linear(kHidden, kOut));
-    model->to(device);
-    const RegressionTask task{(torch::randn({kIn, kOut}) / std::sqrt(static_cast<double>(kIn))).to(device)};
-    torch::manual_seed(1 + rank);
-
-    // At stage 3 each Linear layer is a unit: gathered just for its forward and its backward.
-    const std::vector<std::string> units{"0", "2", "4"};
-    zeroshard::Engine engine(*model, processGroup, zeroshard::Config::fromFile(options.config), units);
-    const size_t root = units.size();
-    auto forward = [&](at::Tensor x) {
-      return engine.runUnit(root, [&] {
-        for (size_t i = 0; i < model->size(); ++i) {
-          auto& layer = model->begin()[static_cast<std::ptrdiff_t>(i)];
-          const auto unit = std::find(units.begin(), units.end(), std::to_string(i));
-          x = unit == units.end() ? layer.forward(x)
-                                  : engine.runUnit(unit - units.begin(), [&] { return layer.forward(x); });
-        }
-        return x;
-      });
-    };
-    const auto& batch = engine.batchSizes();
-    if (rank == 0) {
-      std::cout << "zeroshard example: " << world << " rank(s), stage " << engine.stage() << ", global batch "
-                << batch.train << " = " << batch.microPerRank << " per rank x " << batch.accumulationSteps
-                << " accumulation step(s) x " << world << " rank(s), config " << options.config << ", device "
-                << device << "\n";
-      for (const auto& warning : engine.config().warnings) std::cout << "config warning: " << warning << "\n";
-      std::cout << "plan:\n" << engine.plan().describe() << "\n";
-    }
-
-    double firstLoss = 0, lastLoss = 0;
-    for (int step = 1; step <= options.steps; ++step) {
-      auto stepLoss = torch::zeros({1}, task.map.options());
-      for (int64_t micro = 0; micro < batch.accumulationSteps; ++micro) {
-        auto [x, y] = task.sample(batch.microPerRank);
-        // With bf16/fp16 configs the parameters are 16-bit: inputs go in at that dtype, and the
-        // loss is taken in fp32.
-        auto loss = torch::mse_loss(forward(x.to(engine.computeDtype())).to(torch::kFloat), y);
-        engine.backward(loss);
-        engine.step();
-        stepLoss += loss.detach() / static_cast<double>(batch.accumulationSteps);
-      }
-      // Logging only: the mean over ranks of this step's loss, through the same process group.
-      std::vector<at::Tensor> reduced{stepLoss};
-      processGroup->allreduce(reduced)->wait();
-      lastLoss = stepLoss.item<double>() / world;
-      if (step == 1) firstLoss = lastLoss;
-      if (rank == 0 && (step == 1 || step % 10 == 0 || step == options.steps)) {
-        std::printf("step %4d  loss %.6f", step, lastLoss);
-        // The engine measures the global norm only when it clips.
-        if (engine.config().gradientClipping > 0) std::printf("  grad norm %.4f", engine.lastGradNorm());
-        std::printf("\n");
-      }
-    }
-
-    if (rank == 0) {
-      const auto memory = engine.memoryStats();
-      const auto& comm = engine.commStats();
-      std::cout << "model state on rank 0: params " << memory.paramBytes << " B, grads " << memory.gradBytes
-                << " B, optimizer " << memory.optimizerBytes << " B, total " << memory.totalBytes() << " B\n"
-                << "last step moved " << comm.trafficBytes() << " B";
-      for (auto kind : {zeroshard::CollectiveKind::kReduceScatter, zeroshard::CollectiveKind::kAllGather,
-                        zeroshard::CollectiveKind::kAllReduce}) {
-        std::cout << ", " << zeroshard::collectiveName(kind) << " " << comm[kind].bytes << " B";
-      }
-      // Hybrid sharding and hpZ: the bytes inside a node and across nodes.
-      if (engine.plan().twoLevels()) {
-        std::cout << " (inside a node " << engine.intraStats().trafficBytes() << " B, across nodes "
-                  << engine.interStats().trafficBytes() << " B)";
-      }
-      std::printf("\nfinal loss %.6f (first loss %.6f)\n", lastLoss, firstLoss);
-    }
+    processGroup = zeroshard::initProcessGroupFromEnv();
+    train(options, processGroup);
+    // NCCL's communicators must be destroyed before exit, with their work finished: a group
+    // destructed without it warns, and may hang in the destructor. (ProcessGroup::shutdown is
+    // in torch 2.11 and 2.13 alike; Python's destroy_process_group() calls it too.)
+    processGroup->shutdown();
   } catch (const std::exception& e) {
     // zeroshard's messages say what to change; the C++ backtrace behind them rarely helps a user.
     const auto* torchError = dynamic_cast<const c10::Error*>(&e);
     const char* rank = std::getenv("RANK");
     std::cerr << "rank " << (rank ? rank : "?") << ": " << (torchError ? torchError->what_without_backtrace() : e.what())
               << "\n";
+    // Abort, not shutdown: another rank may still wait in a collective this one never joins, and
+    // abort does not wait for it.
+    if (processGroup) processGroup->abort();
     return 1;
   }
   return 0;

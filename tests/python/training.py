@@ -44,17 +44,19 @@ def train_global_batches(model, engine, rank, world_size, steps, micro=MICRO, be
     """Runs one engine step per entry of `steps` on global_batch(step, micro x world_size x
     gradient_accumulation_steps): rank r takes micro-batch m x world_size + r at micro-step m,
     and engine.step() must report a step at the accumulation boundary only. before_step(step,
-    tokens) sees each global batch first. Returns each step's loss averaged over the global
-    batch (every rank and micro-batch)."""
+    tokens) sees each global batch first. The batches go to the device of the model's
+    parameters (a stage-3 parameter keeps its device while it holds no storage). Returns each
+    step's loss averaged over the global batch (every rank and micro-batch)."""
     import torch.distributed as dist
 
     gas = engine.gradient_accumulation_steps
+    device = next(model.parameters()).device
     losses = []
     for step in steps:
-        tokens = global_batch(step, micro * world_size * gas)
+        tokens = global_batch(step, micro * world_size * gas).to(device)
         if before_step is not None:
             before_step(step, tokens)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for m in range(gas):
             start = (m * world_size + rank) * micro
             loss = model.loss(tokens[start:start + micro])
@@ -84,17 +86,21 @@ class AdamWReference:
     still moves by its momentum and weight decay), as in the engine's flat gradient buffers.
     bf16: the engine's mixed-precision recipe in plain torch: the model computes in bf16, an fp32
     master copy taken before the cast takes the AdamW step, and the bf16 weights are refreshed
-    from it. loss(model, batch) defaults to model.loss(batch)."""
+    from it. fp16: the same in fp16, with a static loss_scale: the fp32 loss times the scale is
+    backpropagated and the gradients are divided by it in fp32 (the engine's dynamic scale while
+    nothing overflows). loss(model, batch) defaults to model.loss(batch)."""
 
     def __init__(self, model, lr=LR, weight_decay=WEIGHT_DECAY, clip=0.0, groups=None, precision="fp32",
-                 loss=None):
-        assert precision in ("fp32", "bf16"), precision
-        self.model, self.clip, self.precision = model, clip, precision
+                 loss=None, loss_scale=None):
+        assert precision in ("fp32", "bf16", "fp16"), precision
+        assert (loss_scale is not None) == (precision == "fp16"), "fp16 takes a loss scale, the others none"
+        assert not (clip and precision == "fp16"), "clipping would read the scaled fp16 gradients"
+        self.model, self.clip, self.precision, self.loss_scale = model, clip, precision, loss_scale
         self.loss = loss or (lambda m, tokens: m.loss(tokens))
-        if precision == "bf16":
+        if precision != "fp32":
             assert groups is None, "one param group with a master copy"
             self.masters = [p.detach().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
-            model.to(torch.bfloat16)
+            model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
             self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
         self.trained = [p for p in model.parameters() if p.requires_grad]
         if precision == "fp32":
@@ -113,35 +119,39 @@ class AdamWReference:
         if self.precision == "fp32":
             self.optimizer.zero_grad(set_to_none=False)
         loss = self.loss(self.model, batch)
-        loss.backward()
+        if self.loss_scale is None:
+            loss.backward()
+        else:
+            (loss.float() * self.loss_scale).backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.trained, self.clip)
-        if self.precision == "bf16":
+        if self.precision != "fp32":
             for master, p in zip(self.masters, self.trained):
-                master.grad = p.grad.float()
+                master.grad = p.grad.float() if self.loss_scale is None else p.grad.float() / self.loss_scale
                 p.grad = None
         self.optimizer.step()
-        if self.precision == "bf16":
+        if self.precision != "fp32":
             with torch.no_grad():
                 for master, p in zip(self.masters, self.trained):
                     p.copy_(master)
         return loss.item()
 
 
-def adamw_reference(steps, batch, lr=LR, clip=0.0, two_groups=False, precision="fp32", device="cpu"):
+def adamw_reference(steps, batch, lr=LR, clip=0.0, two_groups=False, precision="fp32", device="cpu",
+                    loss_scale=None):
     """AdamWReference on make_model() over global_batch(0 .. steps - 1, batch): what every
     engine configuration of the tiny transformer is held to. Returns the losses and the final
     state dict."""
     model = make_model().to(device)
     reference = AdamWReference(model, lr=lr, clip=clip, groups=no_decay_groups(model) if two_groups else None,
-                               precision=precision)
+                               precision=precision, loss_scale=loss_scale)
     losses = [reference.step(global_batch(step, batch).to(device)) for step in range(steps)]
     return losses, model.state_dict()
 
 
 def assert_like_adamw(result, ref_losses, ref_state, precision, what, rtol=1e-4, atol=1e-5):
-    """result ({"losses", "state"}) against adamw_reference's: fp32 to rtol / atol, bf16 within
-    bf16's tolerance (the fp32-master recipe: test_mixed_precision's check)."""
+    """result ({"losses", "state"}) against adamw_reference's: fp32 to rtol / atol, bf16 and fp16
+    within bf16's tolerance (the fp32-master recipe: test_mixed_precision's check)."""
     import pytest
     import torch
 

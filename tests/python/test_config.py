@@ -158,6 +158,7 @@ KEY_EFFECTS = {
     "zeroshard.checkpoint.dir": ("field", r"checkpoint_dir", "/tmp/ckpt"),
     "zeroshard.batch_guard": ("field", r"extras\.batchGuard", "error"),
     "zeroshard.nonfinite": ("field", r"extras\.nonfinite", "skip"),
+    "zeroshard.nonfinite_check": ("field", r"extras\.nonfiniteCheck", "deferred"),
     "steps_per_print": ("field", r"stepsPerPrint", 3),
     "wall_clock_breakdown": ("field", r"wallClockBreakdown", True),
     "scheduler": ("section", None, None),

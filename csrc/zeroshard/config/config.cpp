@@ -201,6 +201,7 @@ std::string Config::toJsonString() const {
                     {"max_inflight_reductions", extras.maxInflightReductions},
                     {"batch_guard", extras.batchGuard},
                     {"nonfinite", extras.nonfinite}};
+  j["zeroshard"]["nonfinite_check"] = extras.nonfiniteCheck;
   if (!extras.checkpointDir.empty()) j["zeroshard"]["checkpoint"]["dir"] = extras.checkpointDir;
   if (extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
     j["zeroshard"]["shard_group_size"] = "node";

@@ -133,7 +133,10 @@ class Engine {
   // Backpropagates loss / gradient_accumulation_steps; gradients are reduced as buckets become
   // ready. Blocks until this backward's reductions are done.
   void backward(const at::Tensor& loss);
-  // Returns true when this call ended an accumulation window and the optimizer stepped.
+  // Returns true when this call ended an accumulation window and the optimizer stepped. With
+  // the deferred nonfinite check a step found later to hold an inf or NaN returned true: the
+  // kernel skipped it on the device, and the host takes it back when it reads the flag
+  // (checkLastStep()).
   bool step();
 
   const Config& config() const { return config_; }

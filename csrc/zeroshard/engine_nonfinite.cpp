@@ -125,17 +125,16 @@ void Engine::settleLastStep(const std::optional<std::string>& where) {
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the optimizer "
                            "skipped that step on the device, so nothing was updated by it";
   const std::string found =
-      where ? "found " + *where
-            : "found at step " + std::to_string(microSteps_ / batchSizes_.accumulationSteps) +
-                  ", whose gradients are dropped too";
+      where ? "found " + *where : "found at step " + std::to_string(microSteps_ / batchSizes_.accumulationSteps);
   if (config_.extras.nonfinite == "skip") {
     ++skippedSteps_;
     if (comm_.rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
     return;
   }
+  const std::string dropped = where ? "" : ", whose gradients are dropped too";
   zeroGrads();
   stepSquares_ = at::Tensor();
-  TORCH_CHECK(false, what, " (", found, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
+  TORCH_CHECK(false, what, " (", found, dropped, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
               "scaling does; lower the learning rate or clip (gradient_clipping) if it recurs. "
               "zeroshard.nonfinite_check \"immediate\" stops at the step itself and names the first parameter "
               "whose gradient is not finite, at a host synchronisation per step");

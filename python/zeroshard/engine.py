@@ -382,6 +382,8 @@ def _immediate_nonfinite_check(cfg):
     deferred check finds that step skipped a step later: with one, the check is immediate
     (docs/reliability.md)."""
     check = cfg.zeroshard.nonfinite_check
+    if cfg.zeroshard.nonfinite == "off" or cfg.fp16_enabled:
+        return cfg  # nothing is checked late: no check, or fp16's loss scaler at the step
     if check == "deferred":
         raise ValueError("zeroshard.nonfinite_check: \"deferred\" cannot be used with the lr_scheduler passed to "
                          "zeroshard.initialize: a torch scheduler steps after every optimizer step and cannot be "

@@ -278,6 +278,7 @@ def test_deferred_skip_trains_on_as_if_the_step_was_skipped_at_once(deferred_run
         assert len(deferred["warned"]) == (1 if rank == 0 else 0), deferred["warned"]
     assert "is skipped on every rank" in results[0]["deferred"]["warned"][0]
     assert f"the gradients of step {BAD_STEP} hold" in results[0]["deferred"]["warned"][0]
+    assert f"found at step {BAD_STEP + 1})" in results[0]["deferred"]["warned"][0]
 
 
 def test_deferred_skip_of_the_last_step_is_counted_when_read(deferred_runs):

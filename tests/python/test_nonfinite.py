@@ -215,6 +215,21 @@ def _client_scheduler(rank, world_size):
             "states": len(states)}
 
 
+def _not_deferred(rank, world_size):
+    """"deferred" where the check stays immediate (fp16's loss scaler, an offloaded optimizer):
+    rank 0 warns, naming why."""
+    import zeroshard
+
+    warned = {}
+    for name, extra in (("fp16", dict(precision="fp16")),
+                        ("offload", dict(zero={"offload_optimizer": {"device": "cpu", "pin_memory": False}}))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zeroshard.initialize(make_model(), engine_config(1, zeroshard=DEFERRED, **extra))
+        warned[name] = [str(w.message) for w in caught if "nonfinite_check" in str(w.message)]
+    return warned
+
+
 DEFERRED_CASES = {
     **{f"error_stage{stage}_{precision}_{how}_{found}": (_deferred_error, stage, precision, how, clip, found)
        for stage, precision, how, clip, found in [
@@ -227,6 +242,7 @@ DEFERRED_CASES = {
                                             (3, "bf16", "param", None)]},
     "last_step_stage2": (_deferred_last_step, 2),
     "client_scheduler": (_client_scheduler,),
+    "not_deferred": (_not_deferred,),
 }
 
 
@@ -294,6 +310,16 @@ def test_a_client_scheduler_keeps_the_check_immediate(deferred_runs):
         assert result["check"] == "immediate"
         assert f"the first parameter with a non-finite gradient is '{TARGET}'" in result["error"]
         assert result["states"] == BAD_STEP - 1
+
+
+def test_deferred_is_not_used_with_fp16_or_an_offloaded_optimizer_and_says_so(deferred_runs):
+    for rank, warned in enumerate(deferred_runs.result(WORLD, "not_deferred")):
+        if rank != 0:
+            assert warned == {"fp16": [], "offload": []}
+            continue
+        assert len(warned["fp16"]) == 1 and "loss scaler" in warned["fp16"][0], warned
+        assert len(warned["offload"]) == 1 and "offloaded optimizer" in warned["offload"][0], warned
+        assert 'zeroshard.nonfinite_check "deferred" is not used' in warned["fp16"][0]
 
 
 def test_nonfinite_check_values():

@@ -5,6 +5,9 @@ hook, or its loss NaN: by default every rank raises at that step, naming the ste
 parameter whose gradient is not finite, and nothing is updated; with "skip" every rank skips the
 step (counted in skipped_steps, the weights those of step 1 bit for bit) and trains on, rank 0
 warning once. With clipping the check reads the norm clipping computes; without, one more pass.
+The deferred check (zeroshard.nonfinite_check "deferred", GPUs' default, chosen here on CPU):
+the kernel skips the step on the device and the host acts a step later (or at the log line, a
+save, check_last_step()), with the numbers of a run that skipped the step at once.
 """
 
 import os

@@ -193,6 +193,7 @@ void bindConfig(py::module_& m) {
       .def_readonly("checkpoint_dir", &ZeroshardExtras::checkpointDir)
       .def_readonly("batch_guard", &ZeroshardExtras::batchGuard)
       .def_readonly("nonfinite", &ZeroshardExtras::nonfinite)
+      .def_readonly("nonfinite_check", &ZeroshardExtras::nonfiniteCheck)
       .def_readonly("shard_group_size", &ZeroshardExtras::shardGroupSize)
       .def_readonly("max_inflight_reductions", &ZeroshardExtras::maxInflightReductions)
       .def_readonly("stage3_gather_stream", &ZeroshardExtras::stage3GatherStream);
@@ -215,6 +216,20 @@ void bindConfig(py::module_& m) {
         if (!config.text.empty()) {
           auto json = nlohmann::ordered_json::parse(config.text);
           json.erase("scheduler");
+          config.text = json.dump(2);
+        }
+        return config;
+      },
+      py::arg("config"));
+  m.def(
+      "_with_immediate_nonfinite_check",
+      [](Config config) {
+        // For a client scheduler, which cannot be rewound after a step found non-finite a step
+        // late (engine.py, initialize; docs/reliability.md).
+        config.extras.nonfiniteCheck = "immediate";
+        if (!config.text.empty()) {
+          auto json = nlohmann::ordered_json::parse(config.text);
+          json["zeroshard"]["nonfinite_check"] = "immediate";
           config.text = json.dump(2);
         }
         return config;

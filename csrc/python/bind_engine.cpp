@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string_view>
+#include <type_traits>
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -67,6 +68,28 @@ py::list groupDicts(const std::vector<ParamGroupSpec>& specs) {
 }
 
 using EngineClass = py::class_<Engine, HolderWithoutGil<Engine>>;
+
+// An Engine method that may settle the deferred nonfinite check (a rank-0 warning in "skip"
+// mode, a wait on the device), without the GIL and with its warnings at the caller's line.
+template <typename R>
+auto withWarnings(R (Engine::*method)()) {
+  return [method](Engine& e) {
+    CollectedWarnings warnings;
+    auto call = [&] {
+      const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      py::gil_scoped_release noGil;
+      return (e.*method)();
+    };
+    if constexpr (std::is_void_v<R>) {
+      call();
+      warnings.warnAtCaller();
+    } else {
+      R result = call();
+      warnings.warnAtCaller();
+      return result;
+    }
+  };
+}
 
 const LrSchedule& scheduleOf(const Engine& e) {
   if (e.lrSchedule() == nullptr) throw py::value_error("zeroshard: the config has no \"scheduler\"");
@@ -222,7 +245,7 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("micro_steps", &Engine::microSteps)
-      .def_property_readonly("global_steps", &Engine::globalSteps)
+      .def_property_readonly("global_steps", withWarnings(&Engine::globalSteps))
       .def_property_readonly("is_gradient_accumulation_boundary", &Engine::isAccumulationBoundary)
       .def_property_readonly("gradient_accumulation_steps",
                              [](const Engine& e) { return e.batchSizes().accumulationSteps; })
@@ -231,7 +254,11 @@ void bindEngine(py::module_& m) {
                              [](const Engine& e) { return e.batchSizes().microPerRank; })
       .def_property_readonly("last_grad_norm", &Engine::lastGradNorm)
       .def_property_readonly("loss_scale", &Engine::lossScale)
-      .def_property_readonly("skipped_steps", &Engine::skippedSteps)
+      .def_property_readonly("skipped_steps", withWarnings(&Engine::skippedSteps))
+      .def("check_last_step", withWarnings(&Engine::checkLastStep),
+           "zeroshard.nonfinite_check \"deferred\": reads whether the last optimizer step was skipped on the "
+           "device for non-finite gradients; \"error\" raises naming it, \"skip\" counts it. Blocking; every "
+           "rank calls it (engine.h, checkLastStep).")
       .def("memory_stats",
            [](const Engine& e) {
              const auto s = e.memoryStats();

@@ -164,6 +164,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   reduction.maxInFlight = config_.extras.maxInflightReductions;
   if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterGradReduce(UnitIndex{bucket}); };
   reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
+  nonfiniteDeferred_ = defersNonfiniteCheck();
   resetStepStats();
 }
 
@@ -224,16 +225,21 @@ bool Engine::step() {
 
 bool Engine::takeStep() {
   grads_->finishCopies();
+  // Before this step reads the lr and step count, which a skipped last step must not have moved.
+  settleLastStep();
   // Note [host writes after device reads]: the host step writes pinned host buffers (masters,
   // stage-3 host shards) that asynchronous copies queued on the device may still be reading
   // (the last step's copy back, a gather's host-to-device copy). Waiting for the device here
   // costs little: the host step needs the gradients, which come after that work anyway.
   if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) syncComputeDevice();
   optimizer_.prepareGrads();
+  at::Tensor skipOnDevice;  // the deferred check's flag: the kernel skips the step when it is 1
   if (scaler_) {
     const bool overflow = overflowed();
     scaler_->update(overflow);
     if (overflow) return skipStep();
+  } else if (nonfiniteDeferred_) {
+    skipOnDevice = nonfiniteOnDevice();
   } else if (config_.extras.nonfinite != "off" && !gradsFinite()) {
     return skipStep();  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
   }
@@ -241,9 +247,12 @@ bool Engine::takeStep() {
   if (plan_.anyOptimizerOnHost(buckets_.size())) {
     stepBucketByBucket();
   } else {
-    optimizer_.step();
+    optimizer_.step(skipOnDevice);
     masters_->pushToParams(buckets_);
     params_->afterStep();
+  }
+  if (skipOnDevice.defined()) {
+    deferredSkip_.record(skipOnDevice, microSteps_ / batchSizes_.accumulationSteps, optimizer_);
   }
   if (schedule_) applySchedule(schedule_->step());
   finishStep();

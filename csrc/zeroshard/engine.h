@@ -21,6 +21,7 @@
 #include "zeroshard/optim/loss_scaler.h"
 #include "zeroshard/optim/lr_schedule.h"
 #include "zeroshard/optim/bucket_slots.h"
+#include "zeroshard/optim/deferred_skip.h"
 #include "zeroshard/optim/master_weights.h"
 #include "zeroshard/optim/optimizer.h"
 #include "zeroshard/plan/sharding_plan.h"
@@ -132,7 +133,10 @@ class Engine {
   // Backpropagates loss / gradient_accumulation_steps; gradients are reduced as buckets become
   // ready. Blocks until this backward's reductions are done.
   void backward(const at::Tensor& loss);
-  // Returns true when this call ended an accumulation window and the optimizer stepped.
+  // Returns true when this call ended an accumulation window and the optimizer stepped. With
+  // the deferred nonfinite check a step found later to hold an inf or NaN returned true: the
+  // kernel skipped it on the device, and the host takes it back when it reads the flag
+  // (checkLastStep()).
   bool step();
 
   const Config& config() const { return config_; }
@@ -145,11 +149,21 @@ class Engine {
   int rank() const { return comm_.rank(); }
   int worldSize() const { return comm_.worldSize(); }
   int64_t microSteps() const { return microSteps_; }
-  int64_t globalSteps() const { return optimizer_.stepCount(); }
+  // Optimizer steps taken. With the deferred nonfinite check (zeroshard.nonfinite_check) this,
+  // skippedSteps() and checkLastStep() first settle the last step's flag: on a GPU they wait
+  // for the last step's kernels (engine_nonfinite.cpp).
+  int64_t globalSteps();
   bool isAccumulationBoundary() const;
   // fp16: the current loss scale (1 otherwise), and the boundaries skipped for an overflow.
   double lossScale() const { return scaler_ ? scaler_->scale() : 1.0; }
-  int64_t skippedSteps() const { return skippedSteps_; }
+  int64_t skippedSteps();
+  // zeroshard.nonfinite_check "deferred": reads whether the last optimizer step was skipped on
+  // the device for non-finite gradients (blocking), and acts on it as zeroshard.nonfinite says:
+  // "error" raises, naming the step; "skip" counts it (rank 0 warns). A no-op otherwise, and
+  // when it was read already. Every rank calls it (the ranks agree on the flag, no collective).
+  // step(), the log line and checkpoint saves and loads call it themselves; call it after the
+  // last step of a run that ends without one.
+  void checkLastStep();
   // The global gradient norm before clipping, from the last optimizer step (0 before any).
   // Reading it synchronises with the device (it is kept there).
   double lastGradNorm() const { return lastGradNorm_.defined() ? lastGradNorm_.item<double>() : 0.0; }
@@ -285,6 +299,12 @@ class Engine {
   // zeroshard.nonfinite (engine_nonfinite.cpp): whether the step's gradients are all finite;
   // when not, names the first parameter that is not ("error": raises; "skip": warns).
   bool gradsFinite();
+  // The deferred check (Note [deferred nonfinite check]): whether this engine uses it, the
+  // step's found-inf flag on the device, and the last step's flag acted upon; `where` says
+  // for the error where it was found (none: at this step's boundary, before its update).
+  bool defersNonfiniteCheck() const;
+  at::Tensor nonfiniteOnDevice();
+  void settleLastStep(const std::optional<std::string>& where = std::nullopt);
   bool overflowed();
   void finishStep();
   void initSchedule();
@@ -335,6 +355,8 @@ class Engine {
   bool backwardSinceStep_ = false;
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   at::Tensor stepSquares_;   // this step's globalGradSquares(), until finishStep()
+  bool nonfiniteDeferred_ = false;  // defersNonfiniteCheck(), decided at construction
+  DeferredSkip deferredSkip_;       // the last step's flag, until settleLastStep()
   CommStats lastStepStats_;
   CommStats lastIntraStats_;
   CommStats lastInterStats_;

@@ -32,6 +32,7 @@ void Engine::checkBetweenSteps(const char* call) const {
 std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
                                    const std::string& rankError) {
   checkBetweenSteps("save_checkpoint()");
+  settleLastStep("at save_checkpoint()");  // the step count, skipped steps and schedule it saves
   auto path = zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
   lastSaveMinutes_ = clock_();  // the clock (checkpointDue) counts from the last save
   return path;
@@ -39,6 +40,7 @@ std::string Engine::saveCheckpoint(const std::string& dir, const std::string& ta
 
 LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
   checkBetweenSteps("load_checkpoint()");
+  settleLastStep("at load_checkpoint()");  // before the load replaces what a skipped step would take back
   auto loaded = zeroshard::loadCheckpoint(checkpointedState(), dir, tag, options);
   params_->reshardAll();
   masters_->pushToParams(buckets_);

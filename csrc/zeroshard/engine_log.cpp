@@ -20,6 +20,9 @@ void Engine::endForward() {
 
 void Engine::logBoundary() {
   const int64_t boundaries = microSteps_ / batchSizes_.accumulationSteps;
+  // The line reports skipped steps and the lr: the deferred nonfinite check's flag is read first,
+  // on every rank (in "error" mode they all raise here, none waits in a collective for another).
+  if (boundaries % config_.stepsPerPrint == 0) settleLastStep("at the log line of step " + std::to_string(boundaries));
   if (!stepLog_.boundary(boundaries)) return;
   StepLogLine line;
   line.step = boundaries;

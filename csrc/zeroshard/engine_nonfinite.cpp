@@ -4,6 +4,27 @@
 // exactly when every gradient is. Only then, on the rare bad step, a second pass finds the
 // first parameter whose gradient is not finite, over every rank's shards, in the order of the
 // flat buffers (the model's at stages 0-2; at stage 3 the units', the root unit's last).
+//
+// Note [deferred nonfinite check]: on a GPU that host read is a synchronisation per step, so
+// where the gradients are on one (zeroshard.nonfinite_check "auto", or "deferred" anywhere)
+// the device decides instead: the flag "the squared global norm is not finite" is computed on
+// the device from globalGradSquares() (reduced over the shard group, so every rank holds the
+// same flag and skips alike, without a collective of its own) and given to the fused AdamW
+// kernel as found_inf, which then leaves weights and moments untouched; the step tensors take
+// back their increment on the device (ShardedAdamW::step). Master weights pushed into 16-bit
+// parameters and gathered after the step are the unchanged ones: no non-finite value reaches
+// the weights. The host counts the step as taken and lets a config schedule step, and
+// learns the flag later (optim/deferred_skip.h: copied into pinned memory without blocking):
+// at the next boundary, before that step reads the lr and the step count, and before anything
+// that reports steps (the log line, global_steps, skipped_steps, a checkpoint save or load,
+// checkLastStep). It then takes the step back where the host counted it: the optimizer's step
+// count, the schedule's iteration and the groups' lr and betas (those the skipped step used),
+// so training goes on with the numbers of a run that skipped the step at once. A client
+// scheduler (the Python layer's lr_scheduler) cannot be rewound, so the Python layer keeps the
+// immediate check with one (python/zeroshard/engine.py, initialize). The price: the error
+// comes a step late and cannot name the parameter (its gradients are gone by then); an
+// offloaded optimizer and fp16 keep the immediate check, their host step and loss scaler
+// reading their flag at the step anyway.
 #include "zeroshard/engine.h"
 
 #include <ATen/ops/isfinite.h>
@@ -70,6 +91,67 @@ bool Engine::gradsFinite() {
                            "fp16's loss scaling does; lower the learning rate or clip (gradient_clipping) if it "
                            "recurs");
   return false;
+}
+
+bool Engine::defersNonfiniteCheck() const {
+  const std::string& check = config_.extras.nonfiniteCheck;
+  std::string immediate;  // why the deferred check is not used, where it cannot be
+  if (config_.extras.nonfinite == "off") {
+    immediate = "zeroshard.nonfinite is \"off\": nothing is checked";
+  } else if (scaler_) {
+    immediate = "with fp16 the loss scaler checks every step for an overflow, on the host";
+  } else if (plan_.anyOptimizerOnHost(buckets_.size())) {
+    immediate = "the offloaded optimizer steps on the host, which has the gradients' norm there anyway";
+  }
+  if (!immediate.empty()) {
+    if (check == "deferred" && comm_.rank() == 0) {
+      TORCH_WARN("zeroshard: zeroshard.nonfinite_check \"deferred\" is not used: ", immediate);
+    }
+    return false;
+  }
+  const bool onCpu = buckets_.empty() || buckets_.front().flatParams().device().is_cpu();
+  return check == "deferred" || (check == "auto" && !onCpu);
+}
+
+at::Tensor Engine::nonfiniteOnDevice() {
+  // 0-dim float, 0 or 1 (the kernel skips at exactly 1): no host read.
+  return at::isfinite(globalGradSquares()).logical_not().to(at::kFloat);
+}
+
+void Engine::settleLastStep(const std::optional<std::string>& where) {
+  const std::optional<int64_t> step = deferredSkip_.settle(optimizer_, schedule_ ? &*schedule_ : nullptr);
+  if (!step) return;
+  const std::string what = "zeroshard: the gradients of step " + std::to_string(*step) +
+                           " hold an inf or NaN (a non-finite loss, or an overflow in backward); the optimizer "
+                           "skipped that step on the device, so nothing was updated by it";
+  const std::string found =
+      where ? "found " + *where : "found at step " + std::to_string(microSteps_ / batchSizes_.accumulationSteps);
+  if (config_.extras.nonfinite == "skip") {
+    ++skippedSteps_;
+    if (comm_.rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
+    return;
+  }
+  const std::string dropped = where ? "" : ", whose gradients are dropped too";
+  zeroGrads();
+  stepSquares_ = at::Tensor();
+  TORCH_CHECK(false, what, " (", found, dropped, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
+              "scaling does; lower the learning rate or clip (gradient_clipping) if it recurs. "
+              "zeroshard.nonfinite_check \"immediate\" stops at the step itself and names the first parameter "
+              "whose gradient is not finite, at a host synchronisation per step");
+}
+
+void Engine::checkLastStep() {
+  settleLastStep("by check_last_step()");
+}
+
+int64_t Engine::globalSteps() {
+  settleLastStep("when global_steps was read");
+  return optimizer_.stepCount();
+}
+
+int64_t Engine::skippedSteps() {
+  settleLastStep("when skipped_steps was read");
+  return skippedSteps_;
 }
 
 } // namespace zeroshard

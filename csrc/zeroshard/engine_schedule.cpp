@@ -63,6 +63,7 @@ void Engine::loadLrScheduleState(int64_t lastBatchIteration) {
   TORCH_CHECK(schedule_, "zeroshard: lr_scheduler.load_state_dict: the config has no \"scheduler\"");
   TORCH_CHECK(lastBatchIteration >= -1, "zeroshard: lr_scheduler.load_state_dict: last_batch_iteration must be -1 "
               "or more, got ", lastBatchIteration);
+  settleLastStep("at lr_scheduler.load_state_dict()");  // a rewind after the restore would undo it
   schedule_->restore(lastBatchIteration);
 }
 

@@ -84,14 +84,18 @@ class Engine:
         """Call after every backward; steps the optimizer at the accumulation boundary.
 
         Returns True when the optimizer stepped. A scheduler passed to initialize steps right
-        after, unless fp16 skipped the step for an overflow (as DeepSpeed does). With
+        after, unless fp16 skipped the step for an overflow (as DeepSpeed does). With the
+        deferred nonfinite check (zeroshard.nonfinite_check) a step returns True and is found
+        skipped on the device later: at the next step, log line or save, or check_last_step(). With
         zeroshard.checkpoint.every_minutes, the first boundary that many minutes after the last
         save (rank 0's clock decides for every rank) then saves into zeroshard.checkpoint.dir,
         with clock_client_state() as its client_state when that is set."""
         boundary = self._core.is_gradient_accumulation_boundary
         if boundary and self.optimizer is not None:
             self.optimizer.push()
-        skipped = self._core.skipped_steps
+        # Read only with a client scheduler, whose engine checks immediately (initialize): reading
+        # skipped_steps settles the deferred check, a wait on the device.
+        skipped = self._core.skipped_steps if self._client_scheduler else 0
         stepped = self._core.step()
         if stepped and self.optimizer is not None:
             self.optimizer.pull()  # what the step used, and a config schedule's next lr
@@ -103,6 +107,16 @@ class Engine:
             client_state = self.clock_client_state() if self.clock_client_state is not None else None
             self.save_checkpoint(self.config.zeroshard.checkpoint_dir, client_state=client_state)
         return stepped
+
+    @names_missing_ranks
+    def check_last_step(self):
+        """With the deferred nonfinite check (zeroshard.nonfinite_check; on a GPU by default), reads
+        whether the last optimizer step was skipped on the device for an inf or NaN gradient:
+        zeroshard.nonfinite "error" raises, naming the step, "skip" counts it in skipped_steps.
+        step(), the log line, save_checkpoint, global_steps and skipped_steps do this
+        themselves; call it after the last step of a run that ends without any of them. Every
+        rank calls it; it waits for the last step on the device."""
+        self._core.check_last_step()
 
     @contextlib.contextmanager
     def gathered_parameters(self):
@@ -319,6 +333,8 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
         warn_at_caller(f"zeroshard.initialize: the config's scheduler ({cfg.scheduler.type}) is not used: the "
                        "lr_scheduler passed to initialize replaces it, as in DeepSpeed")
         cfg = _C._without_scheduler(cfg)
+    if lr_scheduler is not None:
+        cfg = _immediate_nonfinite_check(cfg)
     meta = _meta.on_meta(model)
     if init_fn is not None and not meta:
         raise ValueError("zeroshard.initialize: init_fn initialises a model built on the meta device, but this "
@@ -359,6 +375,22 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
 # With a scheduler passed to initialize, the saved client state is a dict of these two keys.
 _CLIENT_STATE = "__zeroshard_client_state__"
 _CLIENT_SCHEDULER = "__zeroshard_lr_scheduler__"
+
+
+def _immediate_nonfinite_check(cfg):
+    """A torch scheduler steps right after the optimizer step, and cannot be rewound when the
+    deferred check finds that step skipped a step later: with one, the check is immediate
+    (docs/reliability.md)."""
+    check = cfg.zeroshard.nonfinite_check
+    if cfg.zeroshard.nonfinite == "off" or cfg.fp16_enabled:
+        return cfg  # nothing is checked late: no check, or fp16's loss scaler at the step
+    if check == "deferred":
+        raise ValueError("zeroshard.nonfinite_check: \"deferred\" cannot be used with the lr_scheduler passed to "
+                         "zeroshard.initialize: a torch scheduler steps after every optimizer step and cannot be "
+                         "taken back when the step turns out skipped a step later; use \"auto\" or \"immediate\" "
+                         "(an immediate check, a host synchronisation per step on a GPU), or the config's "
+                         "\"scheduler\" (rewound in C++) instead of lr_scheduler")
+    return _C._with_immediate_nonfinite_check(cfg) if check == "auto" else cfg
 
 
 def _client_state_bytes(client_state):

@@ -159,6 +159,7 @@ KEY_EFFECTS = {
     "zeroshard.batch_guard": ("field", r"extras\.batchGuard", "error"),
     "zeroshard.nonfinite": ("field", r"extras\.nonfinite", "skip"),
     "zeroshard.stage3_gather_stream": ("field", r"stage3GatherStream", True),
+    "zeroshard.nonfinite_check": ("field", r"extras\.nonfiniteCheck", "deferred"),
     "steps_per_print": ("field", r"stepsPerPrint", 3),
     "wall_clock_breakdown": ("field", r"wallClockBreakdown", True),
     "scheduler": ("section", None, None),

@@ -204,6 +204,7 @@ std::string Config::toJsonString() const {
                     {"stage3_gather_stream", extras.stage3GatherStream},
                     {"batch_guard", extras.batchGuard},
                     {"nonfinite", extras.nonfinite}};
+  j["zeroshard"]["nonfinite_check"] = extras.nonfiniteCheck;
   if (!extras.checkpointDir.empty()) j["zeroshard"]["checkpoint"]["dir"] = extras.checkpointDir;
   if (extras.shardGroupSize == ZeroshardExtras::kShardGroupNode) {
     j["zeroshard"]["shard_group_size"] = "node";

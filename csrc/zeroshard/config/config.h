@@ -151,6 +151,12 @@ struct ZeroshardExtras {
   // "error" names the step and the first parameter; "skip" skips the step on every rank, as
   // fp16 does, counting it; "off" checks nothing (no per-step read of the norm on the host).
   std::string nonfinite = "error";
+  // When the host learns of such a step (docs/reliability.md, Note [deferred nonfinite check] in
+  // engine_nonfinite.cpp): "immediate" reads the norm on the host at the step (a host
+  // synchronisation per step on a GPU) and names the first non-finite parameter; "deferred"
+  // lets the optimizer kernel skip the step on the device and reads the flag at the next
+  // boundary, log line or checkpoint save; "auto": deferred where the gradients are on a GPU.
+  std::string nonfiniteCheck = "auto";
   // Gradient reductions in flight at once during backward (overlap_comm on): launching one more
   // first waits for the oldest, so at stages 2 and 3 at most this many staging buffers plus the
   // one being filled exist (as FSDP2 bounds its reduce-scatter states).

@@ -72,6 +72,7 @@ const std::vector<ConfigSection>& allSections() {
       {"tensor_parallel.tp", {"tp_size"}, {}, {"tp_grain_size", "mpu", "tp_group", "enabled"}},
       {"zeroshard",
        {"collective_timeout_seconds", "reshard_after_forward", "stage3_unit_classes", "reduce_dtype",
+        "nonfinite_check",
         "checkpoint", "max_inflight_reductions", "shard_group_size", "batch_guard",
         "nonfinite", "stage3_gather_stream"},
        {}},

@@ -34,6 +34,7 @@ void ConfigReader::readExtras(const Json& o, const std::string& path) {
   }
   readChoice(o, path, "batch_guard", {"warn", "error"}, extras.batchGuard);
   readChoice(o, path, "nonfinite", {"error", "skip", "off"}, extras.nonfinite);
+  readChoice(o, path, "nonfinite_check", {"auto", "immediate", "deferred"}, extras.nonfiniteCheck);
   readChoice(o, path, "reduce_dtype", {"compute", "fp32"}, extras.reduceDtype);
   if (const Json* classes = member(o, "stage3_unit_classes")) {
     const std::string where = join(path, "stage3_unit_classes");

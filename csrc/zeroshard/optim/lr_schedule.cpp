@@ -132,6 +132,7 @@ LrSchedule::LrSchedule(const SchedulerConfig& config, std::vector<double> baseLr
 }
 
 const std::vector<ScheduledValues>& LrSchedule::step() {
+  beforeStep_ = Before{iteration_, current_};
   ++iteration_;
   current_ = valuesAt(iteration_);
   return *current_;
@@ -144,6 +145,16 @@ void LrSchedule::restore(int64_t lastBatchIteration) {
   }
   iteration_ = lastBatchIteration;
   current_ = iteration_ == -1 ? startValues() : valuesAt(iteration_);
+  beforeStep_.reset();
+}
+
+void LrSchedule::rewind() {
+  if (!beforeStep_) {
+    throw std::logic_error("zeroshard: scheduler " + type_ + ": rewind() without a step() to undo");
+  }
+  iteration_ = beforeStep_->iteration;
+  current_ = std::move(beforeStep_->current);
+  beforeStep_.reset();
 }
 
 std::vector<ScheduledValues> LrSchedule::startValues() const {

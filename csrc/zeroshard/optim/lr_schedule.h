@@ -64,6 +64,12 @@ class LrSchedule {
   // The state DeepSpeed's state_dict() holds: last_batch_iteration. current() becomes the
   // values at it (the start values at -1).
   void restore(int64_t lastBatchIteration);
+  // Undoes the last step(): last_batch_iteration and current() are again what they were before
+  // it. The engine takes back a step it learns only at the next boundary was skipped on the
+  // device (Note [deferred nonfinite check] in engine_nonfinite.cpp), before stepping again, so
+  // one level is kept; throws std::logic_error when there is no step() to undo (none since
+  // construction, restore() or the last rewind()).
+  void rewind();
 
   // The formula at `iteration` (DeepSpeed's get_lr() and get_mom() there), per group.
   std::vector<ScheduledValues> valuesAt(int64_t iteration) const;
@@ -82,6 +88,12 @@ class LrSchedule {
   std::vector<double> baseLrs_;
   int64_t iteration_ = -1;
   std::optional<std::vector<ScheduledValues>> current_;
+  // Before the last step(), for rewind(): last_batch_iteration and current().
+  struct Before {
+    int64_t iteration;
+    std::optional<std::vector<ScheduledValues>> current;
+  };
+  std::optional<Before> beforeStep_;
 
   // LRRangeTest
   double minLr_ = 0;

@@ -157,8 +157,8 @@ void ShardedAdamW::scaleGrads(const at::Tensor& factor) {
   pendingFactors_.push_back(factor);
 }
 
-void ShardedAdamW::step() {
-  beginStep();
+void ShardedAdamW::step(const at::Tensor& foundInf) {
+  beginStep(foundInf);
   std::vector<ShardRef> all;
   for (size_t group = 0; group < groups_.size(); ++group) {
     for (size_t i = 0; i < groups_[group].masters.size(); ++i) all.push_back({static_cast<int>(group), i});
@@ -167,7 +167,11 @@ void ShardedAdamW::step() {
   endStep();
 }
 
-void ShardedAdamW::beginStep() {
+void ShardedAdamW::beginStep(const at::Tensor& foundInf) {
+  TORCH_CHECK(!foundInf.defined() || (foundInf.scalar_type() == at::kFloat && foundInf.dim() == 0),
+              "zeroshard AdamW: found_inf must be a 0-dim float32 tensor, got ", foundInf.scalar_type(), " of shape ",
+              foundInf.sizes());
+  foundInf_ = foundInf;
   ++steps_;
   for (const auto& g : groups_) {
     TORCH_CHECK(g.prepared.size() == g.masters.size(), "zeroshard AdamW: step() without prepareGrads()");
@@ -185,6 +189,8 @@ void ShardedAdamW::stepShards(const std::vector<ShardRef>& shards) {
     const auto& hp = g.hyper;
     // The fused kernel reads the step it is given; torch.optim increments it first too.
     for (size_t i : mine) g.steps[i].add_(1);
+    std::optional<at::Tensor> found;
+    if (foundInf_.defined()) found = foundInf_;
     // fp32 gradients: one call per device over the shards there.
     std::vector<size_t> wide;
     for (size_t i : mine) {
@@ -206,7 +212,8 @@ void ShardedAdamW::stepShards(const std::vector<ShardRef>& shards) {
         steps.push_back(g.steps[i]);
       }
       at::_fused_adamw_(masters, grads, expAvgs, expAvgSqs, /*max_exp_avg_sqs=*/{}, steps, hp.lr, hp.beta1,
-                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false);
+                        hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false, /*maximize=*/false,
+                        /*grad_scale=*/std::nullopt, onDevice(found, device));
       wide = std::move(elsewhere);
     }
     // Note [fp32 gradients one shard at a time]. The kernel treats every tensor of its lists on
@@ -216,13 +223,28 @@ void ShardedAdamW::stepShards(const std::vector<ShardRef>& shards) {
       auto grad = fp32Grad(g, i);
       at::_fused_adamw_({g.masters[i]}, {grad}, {g.expAvgs[i]}, {g.expAvgSqs[i]}, /*max_exp_avg_sqs=*/{},
                         {g.steps[i]}, hp.lr, hp.beta1, hp.beta2, hp.weightDecay, hp.eps, /*amsgrad=*/false,
-                        /*maximize=*/false);
+                        /*maximize=*/false, /*grad_scale=*/std::nullopt, onDevice(found, g.masters[i].device()));
       dropConverted(grad);
+    }
+    // A skipped step does not count: the kernel left the step tensors as they were given.
+    if (found) {
+      for (size_t i : mine) g.steps[i].sub_(*onDevice(found, g.steps[i].device()));
     }
   }
 }
 
+void ShardedAdamW::takeBackStep() {
+  TORCH_CHECK(steps_ > 0, "zeroshard AdamW: takeBackStep() without a step to take back");
+  --steps_;
+}
+
+std::optional<at::Tensor> ShardedAdamW::onDevice(const std::optional<at::Tensor>& flag, const c10::Device& device) {
+  if (!flag) return std::nullopt;
+  return factorOn(*flag, device);
+}
+
 void ShardedAdamW::endStep() {
+  foundInf_ = at::Tensor();
   for (auto& g : groups_) g.prepared.clear();
   pendingFactors_.clear();
   factorCopies_.clear();

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace zeroshard {
@@ -47,7 +48,15 @@ class ShardedAdamW {
   // `factor` is a 0-dim tensor on the gradients' device (no host synchronisation).
   void scaleGrads(const at::Tensor& factor);
   // One AdamW step on every group (at::_fused_adamw_), with decoupled weight decay.
-  void step();
+  // `foundInf` (optional): a 0-dim float tensor on the shards' device, 1 or 0, that the kernel
+  // reads on the device: at 1 it leaves weights and moments untouched, and each shard's step
+  // tensor takes back its increment on the device (steps -= found_inf, as torch.optim's fused
+  // path does). The host's stepCount() still counts the step until takeBackStep(). Never
+  // blocks on the flag.
+  void step(const at::Tensor& foundInf = at::Tensor());
+  // The host's count of a step whose foundInf turned out 1 (read later): the step tensors on
+  // the device took it back themselves.
+  void takeBackStep();
   // The same step, a few shards at a time (offload steps bucket by bucket, so that each one's
   // copy back and all-gather overlap the next one's host step): beginStep(), stepShards() over
   // every shard exactly once in any order, endStep(). The kernel treats every tensor of its
@@ -56,7 +65,7 @@ class ShardedAdamW {
     int group;
     size_t index;
   };
-  void beginStep();
+  void beginStep(const at::Tensor& foundInf = at::Tensor());
   void stepShards(const std::vector<ShardRef>& shards);
   void endStep();
   // The most bytes of fp32 copies of 16-bit gradients alive at once in the last step: the
@@ -91,9 +100,11 @@ class ShardedAdamW {
   void dropConverted(const at::Tensor& grad);
   // `factor` (a 0-dim tensor) on `device`: itself, or a copy made once per step.
   const at::Tensor& factorOn(const at::Tensor& factor, const c10::Device& device);
+  std::optional<at::Tensor> onDevice(const std::optional<at::Tensor>& flag, const c10::Device& device);
 
   std::vector<Group> groups_;
   int64_t steps_ = 0;
+  at::Tensor foundInf_;  // the step in progress's (step(), beginStep()), undefined without one
   std::vector<at::Tensor> pendingFactors_;  // for 16-bit gradients, applied at conversion
   std::vector<std::pair<at::Tensor, at::Tensor>> factorCopies_;  // (factor, copy on another device)
   int64_t liveConvertedBytes_ = 0;

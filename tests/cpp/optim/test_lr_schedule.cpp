@@ -244,3 +244,28 @@ TEST_CASE("values DeepSpeed's classes refuse are refused naming the key", "[lr_s
   CHECK(contains(message(schedule("StepLR")), "scheduler.type \"StepLR\" is not one of"));
   CHECK(contains(message(schedule("WarmupLR", {}, "cosine")), "warmup_type is \"cosine\""));
 }
+
+TEST_CASE("rewind undoes the last step: iteration and current values, one level", "[lr_schedule]") {
+  LrSchedule s(schedule("WarmupLR", {{"warmup_min_lr", 1e-3}, {"warmup_max_lr", 1e-2}, {"warmup_num_steps", 10}},
+                        "linear"),
+               {0.01});
+  CHECK_THROWS_AS(s.rewind(), std::logic_error);  // nothing to undo
+  s.step();
+  const auto atZero = *s.current();
+  s.step();
+  REQUIRE(s.current()->at(0).lr != atZero.at(0).lr);
+  s.rewind();
+  CHECK(s.lastBatchIteration() == 0);
+  CHECK(s.current()->at(0).lr == atZero.at(0).lr);
+  CHECK_THROWS_AS(s.rewind(), std::logic_error);  // one level only
+  s.step();
+  s.restore(5);
+  CHECK_THROWS_AS(s.rewind(), std::logic_error);  // a restore is not undone
+  // Constructed at another iteration it sets nothing until its first step; undone, nothing again.
+  LrSchedule resumed(schedule("WarmupLR", {{"last_batch_iteration", 4}}), {0.01});
+  REQUIRE_FALSE(resumed.current().has_value());
+  resumed.step();
+  resumed.rewind();
+  CHECK(resumed.lastBatchIteration() == 4);
+  CHECK_FALSE(resumed.current().has_value());
+}

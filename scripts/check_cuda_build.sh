@@ -40,7 +40,8 @@ print(pins[0] if pins else "")
 EOF
 }
 
-if [ ! -f "$SITE/.complete" ]; then
+# A cache unpacked before the NCCL pin (no .nccl-requirement) is unpacked again.
+if [ ! -f "$SITE/.complete" ] || [ ! -f "$SITE/.nccl-requirement" ]; then
   # Downloaded wheels stay until unpacked: an interrupted run resumes without fetching them again.
   rm -rf "$SITE"; mkdir -p "$CACHE/wheels" "$SITE"
   "$PYTHON" -m pip download -q --no-deps -d "$CACHE/wheels" "torch==$TORCH_VERSION"
@@ -50,6 +51,7 @@ if [ ! -f "$SITE/.complete" ]; then
     exit 1
   fi
   echo "check_cuda_build: torch $TORCH_VERSION requires $nccl"
+  rm -f "$CACHE"/wheels/nvidia_nccl*.whl  # another version, left by an interrupted run, would unpack over it
   # PyPI's Linux torch wheels are CUDA builds; cu13 headers for what ATen/cuda includes.
   "$PYTHON" -m pip download -q --no-deps -d "$CACHE/wheels" "$nccl" \
     "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-nvrtc==13.0.*" nvidia-cublas nvidia-cusparse nvidia-cusolver

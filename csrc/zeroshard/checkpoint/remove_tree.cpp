@@ -13,12 +13,12 @@ namespace {
 
 // nftw's callback has no user argument, so the first failure travels back as its return value:
 // a non-zero return stops the walk and becomes nftw's own (errno values are positive; nftw's
-// failures of its own are -1 with errno set).
+// failures of its own are -1 with errno set). An entry already gone is what was wanted.
 int removeEntry(const char* path, const struct stat*, int, struct FTW*) {
-  return std::remove(path) == 0 ? 0 : errno;
+  return std::remove(path) == 0 || errno == ENOENT ? 0 : errno;
 }
 
-// Descriptors nftw may hold open at once (one per level below that is re-opened as it goes).
+// Directories nftw keeps open at once; a deeper tree is walked too, reopening as it goes.
 constexpr int kOpenDirectories = 16;
 
 } // namespace

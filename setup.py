@@ -1,8 +1,10 @@
 """pip install --no-build-isolation [-e] .
 
 Builds through the project's CMake (the same build the C++ tests and examples use) and puts
-zeroshard._C and libzeroshard.so into the package. Build isolation must be off: the
-extension is compiled against the torch already installed in this environment.
+zeroshard._C and libzeroshard.so into the package; only those two are built, and
+ZEROSHARD_CMAKE_ARGS="-DZEROSHARD_BUILD_TESTS=ON -DZEROSHARD_BUILD_EXAMPLES=ON" adds the Catch2
+tests and the C++ examples. Build isolation must be off: the extension is compiled against the
+torch already installed in this environment.
 """
 
 import os
@@ -40,6 +42,10 @@ class CMakeBuild(build_ext):
         ]
         if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
             configure += ["-G", "Ninja"]
+        # What a user imports, and no more: the Catch2 suite and the examples are about half the
+        # compile time. Stated every time, since a build directory keeps a configure's options;
+        # ZEROSHARD_CMAKE_ARGS comes after it and may turn them on (scripts/setup.sh --all does).
+        configure += ["-DZEROSHARD_BUILD_TESTS=OFF", "-DZEROSHARD_BUILD_EXAMPLES=OFF"]
         if os.environ.get("ZEROSHARD_CMAKE_ARGS"):
             configure += os.environ["ZEROSHARD_CMAKE_ARGS"].split()
         subprocess.check_call(configure)

@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The GPU check (issue 7), for a machine with one NVIDIA GPU and a CUDA build of torch, CMake,
-# ninja and a compiler, and no network: builds zeroshard (CMake + ninja on every core, into
-# build-gpu/), runs the Catch2 tests, tests/python/test_cuda.py (every stage on CUDA at world
-# size 1 with NCCL) and the C++ example on the GPU (ZeRO-3 over NCCL from C++), then
-# benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain single-GPU training, zeroshard stages 0-3,
-# FSDP2), then, in the time left, the CPU pytest cases at world size 1. Prints a short table last.
-# With $OUT set, the whole log goes to $OUT/gpu_check.log, the bench numbers to $OUT/bench_gpu.*.
+# The GPU check (issues 7 and 29), for a machine with one NVIDIA GPU and a CUDA build of torch,
+# CMake, ninja and a compiler, and no network. Its default plan fits a device lease of about 10
+# minutes (of which the machine takes about 2 to start): GPU_CHECK_BUDGET=420 s of phases, every
+# GPU phase first. It configures and builds what those phases need (the library, the Python
+# module and the C++ example; CMake + ninja on every core, into build-gpu/), then runs
+# tests/python/test_cuda.py (every stage on CUDA at world size 1 with NCCL), the C++ example on the
+# GPU (ZeRO-3 over NCCL from C++), and benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain, zeroshard
+# stage 3, FSDP2, stage 3 with its gathers on a side stream, then the other rows, in whatever time
+# is left). The CPU-only phases come last and are skipped by default: ctest (which compiles the
+# Catch2 suite first: only a plan that runs it configures and compiles it) and the CPU pytest cases
+# at world size 1. Prints a short table last. With $OUT set, the whole log goes to
+# $OUT/gpu_check.log, the bench numbers to $OUT/bench_gpu.*.
 #
 #   bash scripts/vendor_headers.sh    # first, on a machine with the Debian packages (see below)
 #   bash benchmarks/gpu_check.sh      # then on the GPU machine, with third_party/ carried along
 #
-# Header-only dependencies (nlohmann-json, Catch2 v2, gloo's headers) come from the system or from
-# third_party/include (scripts/vendor_headers.sh). Every phase runs under `timeout`; the phases
-# share GPU_CHECK_BUDGET seconds (default 400), of which BENCH_RESERVE (default 180) is kept for
-# the benchmark. Knobs: PYTHON, BUILD_DIR, SKIP_BUILD=1 (reuse BUILD_DIR), GPU_CHECK_SKIP="ctest
-# pytest-cpu" (phases to leave out), BENCH_ARGS (extra bench_gpu.py flags), GPU_CHECK_ALLOW_CPU=1
-# (no CUDA device: a smoke run of this script, with BENCH_ARGS="--tiny --device cpu").
+# benchmarks/README.md ("GPU check") has the exact device command. Header-only dependencies
+# (nlohmann-json, Catch2 v2, gloo's headers) come from the system or from third_party/include, and
+# Python.h from the interpreter or third_party/python<X.Y>/include (scripts/vendor_headers.sh):
+# the environment phase says which. Every phase runs under `timeout`; the phases share
+# GPU_CHECK_BUDGET seconds (default 420), of which BENCH_RESERVE (default 150) is kept for the
+# benchmark. Knobs: PYTHON, BUILD_DIR, SKIP_BUILD=1 (reuse BUILD_DIR), GPU_CHECK_SKIP (phases to
+# leave out; default "ctest pytest-cpu"; GPU_CHECK_SKIP=none runs every phase), BUILD_TARGETS (what
+# the build phase builds; default the targets of the planned GPU phases; "all" for everything
+# configured), BENCH_ARGS (extra bench_gpu.py flags, e.g. --rows), GPU_CHECK_ALLOW_CPU=1 (no CUDA
+# device: a smoke run of this script, with BENCH_ARGS="--tiny --device cpu").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -33,6 +42,33 @@ export BUILD_DIR=${BUILD_DIR:-$ROOT/build-gpu}
 export JOBS=${JOBS:-$(nproc)}
 export ARTIFACTS=${OUT:-$BUILD_DIR}
 export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+# Unset means the default plan; set (even to "none") means exactly those phases are left out.
+export GPU_CHECK_SKIP=${GPU_CHECK_SKIP-ctest pytest-cpu}
+
+planned() {
+  [[ " $GPU_CHECK_SKIP " != *" $1 "* ]]
+}
+
+# Python.h for the module: the interpreter's, or the copy CMakeLists.txt falls back to. Prints
+# where; fails when there is neither.
+python_headers() {
+  "$PYTHON" - "$ROOT" <<'EOF'
+import os, sys, sysconfig
+include = sysconfig.get_paths()["include"]
+version = "%d.%d" % sys.version_info[:2]
+vendored = os.path.join(sys.argv[1], "third_party", f"python{version}", "include")
+if os.path.exists(os.path.join(include, "Python.h")):
+    print(f"Python.h: {include} (the interpreter's)")
+elif os.path.exists(os.path.join(vendored, "Python.h")):
+    print(f"Python.h: not in {include}; CMake uses third_party/python{version}/include (vendored)")
+else:
+    print(f"Python.h: MISSING: not in {include}, and no third_party/python{version}/include. zeroshard._C is "
+          f"not built: pytest-cuda and the benchmark's zeroshard rows fail, the C++ example still runs. Run "
+          f"VENDOR_PYTHON_VERSIONS={version} bash scripts/vendor_headers.sh where a Python {version} with its "
+          "headers is installed, and carry third_party/")
+    sys.exit(1)
+EOF
+}
 
 # ---------------------------------------------------------------------------------------------
 # Phases: each runs as `bash gpu_check.sh --phase NAME` under timeout, so a stuck one is killed
@@ -57,6 +93,7 @@ if not cuda and os.environ.get("GPU_CHECK_ALLOW_CPU") != "1":
 EOF
   echo "cmake: $(cmake --version | head -1); ninja: $(ninja --version 2>/dev/null || echo missing); " \
        "c++: $(c++ --version | head -1); nvcc: $(command -v nvcc || echo none)"
+  python_headers || true
   for h in nlohmann/json.hpp catch2/catch.hpp gloo/rendezvous/store.h; do
     where=missing
     if [ -f "/usr/include/$h" ]; then where=system; elif [ -f "$ROOT/third_party/include/$h" ]; then where=third_party; fi
@@ -124,6 +161,15 @@ phase_configure() {
   nccl=$(nccl_include_dir)
   echo "nccl.h: ${nccl:-not found (a CUDA build of zeroshard will not compile process_group.cpp)}"
   if [ -n "$nccl" ] && [ "$nccl" != /usr/include ]; then args+=("-DCMAKE_CXX_FLAGS=-isystem $nccl"); fi
+  # Only what the plan runs is configured: without ctest no Catch2 suite (and no Catch2 needed).
+  local tests=OFF examples=OFF
+  case " ${BUILD_TARGETS:-} " in *" all "* | *" zeroshard_tests "*) tests=ON ;; esac
+  case " ${BUILD_TARGETS:-} " in *" all "* | *" zeroshard_train_example "*) examples=ON ;; esac
+  if planned ctest; then tests=ON; fi
+  if planned cpp-cuda; then examples=ON; fi
+  args+=("-DZEROSHARD_BUILD_TESTS=$tests" "-DZEROSHARD_BUILD_EXAMPLES=$examples")
+  if python_headers; then args+=(-DZEROSHARD_BUILD_PYTHON=ON); else args+=(-DZEROSHARD_BUILD_PYTHON=OFF); fi
+  echo "configure: Catch2 tests $tests, examples $examples"
   if cmake "${args[@]}"; then return 0; fi
   # torch's cuda.cmake wants a whole toolkit (nvcc, libcudart, libnvrtc, ...); an image with nvcc
   # but a partial toolkit fails it as surely as one without (seen with a pip-installed nvcc).
@@ -133,8 +179,29 @@ phase_configure() {
   cmake "${args[@]}" "-DCMAKE_PROJECT_INCLUDE=$BUILD_DIR/no_nvcc_shim.cmake"
 }
 
+# What the build phase builds: BUILD_TARGETS, or what the planned GPU phases run (the Catch2 suite
+# is ctest's own to build, after the GPU phases).
+build_targets() {
+  if [ -n "${BUILD_TARGETS:-}" ]; then echo "$BUILD_TARGETS"; return; fi
+  local targets=zeroshard
+  if grep -q '^ZEROSHARD_BUILD_PYTHON:BOOL=ON' "$BUILD_DIR/CMakeCache.txt"; then targets+=" zeroshard_python"; fi
+  if planned cpp-cuda; then targets+=" zeroshard_train_example"; fi
+  echo "$targets"
+}
+
 phase_build() {
-  cmake --build "$BUILD_DIR" --parallel "$JOBS"
+  local targets
+  targets=$(build_targets)
+  echo "build: $targets"
+  if [ "$targets" = all ]; then
+    cmake --build "$BUILD_DIR" --parallel "$JOBS"
+  else
+    # shellcheck disable=SC2086  # a list of targets
+    cmake --build "$BUILD_DIR" --parallel "$JOBS" --target $targets
+  fi
+  if ! ls "$BUILD_DIR"/python/zeroshard/_C*.so >/dev/null 2>&1; then
+    echo "build: no zeroshard._C (see the environment phase's Python.h line)"; return 0
+  fi
   # What `pip install -e .` does: the module and its core library beside the Python sources.
   cp -f "$BUILD_DIR"/python/zeroshard/_C*.so "$BUILD_DIR"/python/zeroshard/libzeroshard.so* "$ROOT/python/zeroshard/"
   "$PYTHON" -c "import zeroshard, torch; print('zeroshard imports; torch', torch.__version__)"
@@ -144,6 +211,8 @@ phase_ctest() {
   # The Catch2 tests are CPU tests (Gloo at 1-4 ranks on one machine); with a GPU visible the C++
   # process-group helper would also put rank r on cuda:r, which one GPU does not have.
   # find_package_consumer (a separate CMake project against the installed package) is left out.
+  # The suite is compiled here, after the GPU phases, so that it never delays them.
+  cmake --build "$BUILD_DIR" --parallel "$JOBS" --target zeroshard_tests
   CUDA_VISIBLE_DEVICES= ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 120 -E find_package_consumer
 }
 
@@ -199,8 +268,10 @@ fi
 # ---------------------------------------------------------------------------------------------
 # The run
 
-BUDGET=${GPU_CHECK_BUDGET:-400}
-BENCH_RESERVE=${BENCH_RESERVE:-180}
+# A 10-minute lease: ~2 minutes for the machine to start, 420 s of phases, the rest for the
+# transfers and the summary.
+BUDGET=${GPU_CHECK_BUDGET:-420}
+BENCH_RESERVE=${BENCH_RESERVE:-150}
 DEADLINE=$((SECONDS + BUDGET))
 STATUS=()
 FAILED=0
@@ -212,7 +283,7 @@ run_phase() {
   local name=$1 cap=$2 best_effort=${3:-} left rc=0 t0=$SECONDS result
   left=$((DEADLINE - SECONDS))
   if [ "$name" != bench ] && [ "$BENCH_DONE" = 0 ]; then left=$((left - BENCH_RESERVE)); fi
-  if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+  if ! planned "$name"; then
     STATUS+=("$name|skipped (GPU_CHECK_SKIP)|0"); return 0
   fi
   if [ "$cap" -gt "$left" ]; then cap=$left; fi
@@ -254,14 +325,16 @@ main() {
   echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $ROOT at $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
        "$(git status --porcelain 2>/dev/null | grep -q . && echo '(uncommitted changes)')"
   rm -f "$ARTIFACTS/bench_gpu.md" "$ARTIFACTS/bench_gpu.json"
-  if run_phase environment 60; then
-    if [ "${SKIP_BUILD:-0}" = 1 ] || { run_phase configure 150 && run_phase build 300; }; then
-      run_phase ctest 90 || true
+  echo "gpu_check: plan: $BUDGET s, $BENCH_RESERVE of them kept for the benchmark; left out: ${GPU_CHECK_SKIP:-nothing}"
+  if run_phase environment 45; then
+    if [ "${SKIP_BUILD:-0}" = 1 ] || { run_phase configure 90 && run_phase build 240; }; then
+      # The GPU phases first; the CPU-only ones in whatever time the benchmark left.
       run_phase pytest-cuda 120 || true
       run_phase cpp-cuda 60 || true
       run_phase bench $((DEADLINE - SECONDS - 5)) || true
       BENCH_DONE=1
-      run_phase pytest-cpu 150 best-effort || true  # in whatever time the benchmark left
+      run_phase ctest 300 best-effort || true
+      run_phase pytest-cpu 150 best-effort || true
     fi
   fi
   summary

@@ -48,6 +48,7 @@ class Recipe:
     prefetch_elems: Optional[int] = None  # zeroshard stage 3's stage3_prefetch_bucket_size
     collective_timeout_seconds: Optional[float] = None
     checkpoint_keep_last: Optional[int] = None
+    zeroshard_keys: Optional[dict] = None  # more keys of the zeroshard config's "zeroshard" section
 
     def adamw(self):
         return dict(lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
@@ -135,6 +136,7 @@ class ZeroshardStep(Step):
             extras["collective_timeout_seconds"] = recipe.collective_timeout_seconds
         if recipe.checkpoint_keep_last is not None:
             extras["checkpoint"] = {"keep_last": recipe.checkpoint_keep_last}
+        extras.update(recipe.zeroshard_keys or {})
         adamw = recipe.adamw()
         config = {"train_micro_batch_size_per_gpu": recipe.batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}},
@@ -149,6 +151,17 @@ class ZeroshardStep(Step):
         self.model = model
         self.optimizer_name = ("zeroshard sharded AdamW (at::_fused_adamw_" + (" on the host)" if offload else ")")
                                + (", fp32 master" if bf16 else ""))
+
+    def config_summary(self):
+        """What decides this step's speed and its host synchronisations, as the engine resolved
+        its config: stage, dtype, overlap_comm, nonfinite (whose "error" reads the gradient norm
+        on the host at every step unless the device decides) and stage 3's gather stream (a key
+        newer than some builds: None when the config has no such key)."""
+        c = self.engine.config.to_dict()
+        zero, extras = c.get("zero_optimization", {}), c.get("zeroshard", {})
+        dtype = "bf16" if c.get("bf16", {}).get("enabled") else "fp16" if c.get("fp16", {}).get("enabled") else "fp32"
+        return dict(stage=zero.get("stage"), dtype=dtype, overlap_comm=zero.get("overlap_comm"),
+                    nonfinite=extras.get("nonfinite"), stage3_gather_stream=extras.get("stage3_gather_stream"))
 
     def __call__(self, tokens):
         loss = next_token_loss(self.engine(tokens[:, :-1]), tokens)

@@ -10,11 +10,28 @@
 #include <ATen/ops/full.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace zeroshard {
+namespace {
+
+// Whether the group can run a collective on CPU tensors (Gloo beside NCCL). torch 2.13 asks the
+// group directly; 2.11 has no hasBackendForDeviceType, but its getDeviceTypes() lists the same
+// set: setBackend records each device type in both, so the two answers agree.
+bool hasCpuBackend(c10d::ProcessGroup& group) {
+#if ZEROSHARD_TORCH_VERSION_MAJOR > 2 || ZEROSHARD_TORCH_VERSION_MINOR >= 13
+  return group.hasBackendForDeviceType(c10::DeviceType::CPU);
+#else
+  const std::vector<c10::Device> types = group.getDeviceTypes();
+  return std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); });
+#endif
+}
+
+} // namespace
 
 CheckpointedState Engine::checkpointedState() {
   return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
@@ -70,7 +87,7 @@ bool Engine::checkpointDue() {
   const double every = config_.extras.checkpointEveryMinutes;
   if (every <= 0) return false;
   const bool due = comm_.rank() == 0 && clock_() - lastSaveMinutes_ >= every;
-  const bool onCpu = comm_.group()->hasBackendForDeviceType(c10::DeviceType::CPU);
+  const bool onCpu = hasCpuBackend(*comm_.group());
   const at::Device device = onCpu ? at::Device(at::kCPU) : buckets_.front().flatParams().device();
   at::Tensor flag = at::full({1}, due ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device));
   {

@@ -1,6 +1,8 @@
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.
 #pragma once
 
+#include "zeroshard/checkpoint/remove_tree.h"
+
 #include <unistd.h>
 
 #include <atomic>
@@ -15,12 +17,12 @@ class TempDir {
     static std::atomic<int> counter{0};
     path_ = std::filesystem::temp_directory_path() /
             ("zeroshard-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
+    zeroshard::removeTree(path_.string());  // Note [trees without std::filesystem]
     std::filesystem::create_directories(path_);
   }
   ~TempDir() {
     std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    zeroshard::removeTree(path_.string(), ec);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

@@ -4,6 +4,7 @@
 
 #include "zeroshard/checkpoint/checked_file.h"
 #include "zeroshard/checkpoint/manifest.h"
+#include "zeroshard/checkpoint/remove_tree.h"
 
 #include <algorithm>
 #include <cctype>
@@ -36,10 +37,10 @@ std::string readText(const fs::path& path) {
 // a .trash- directory (removed by the next save), never a half-deleted checkpoint.
 void removeCheckpoint(const fs::path& dir, const std::string& name) {
   const fs::path trash = dir / (kTrashPrefix + name);
-  fs::remove_all(trash);
+  removeTree(trash.string());
   fs::rename(dir / name, trash);
   syncDirectory(dir.string());
-  fs::remove_all(trash);
+  removeTree(trash.string());
 }
 
 } // namespace
@@ -68,13 +69,13 @@ void prepareStaging(const std::string& dir, const std::string& tag) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(kStagingPrefix, 0) == 0) {
-      fs::remove_all(entry.path());  // a save that never published
+      removeTree(entry.path().string());  // a save that never published
     } else if (name.rfind(kTrashPrefix, 0) == 0) {
       // A checkpoint on its way out. If its own name is free, a publish that replaced it died
       // half way (Note [crash-safe publish]): it is still the complete one, so it goes back.
       const fs::path original = entry.path().parent_path() / name.substr(std::strlen(kTrashPrefix));
       if (fs::exists(original)) {
-        fs::remove_all(entry.path());
+        removeTree(entry.path().string());
       } else {
         fs::rename(entry.path(), original);
       }
@@ -86,8 +87,8 @@ void prepareStaging(const std::string& dir, const std::string& tag) {
 
 void discardStaging(const std::string& dir, const std::string& tag) noexcept {
   std::error_code ec;
-  fs::remove_all(stagingPath(dir, tag), ec);
-  fs::remove_all(fs::path(dir) / (std::string(kStagingPrefix) + kLatestFile), ec);
+  removeTree(stagingPath(dir, tag), ec);
+  removeTree((fs::path(dir) / (std::string(kStagingPrefix) + kLatestFile)).string(), ec);
 }
 
 void publishCheckpoint(const std::string& dir, const std::string& tag) {
@@ -115,8 +116,8 @@ void publishCheckpoint(const std::string& dir, const std::string& tag) {
   syncDirectory(dir);
   fs::rename(latestStaging, root / kLatestFile);
   syncDirectory(dir);
-  fs::remove_all(staged);  // the replaced checkpoint, if there was one
-  fs::remove_all(root / (kTrashPrefix + tag));
+  removeTree(staged);  // the replaced checkpoint, if there was one
+  removeTree((root / (kTrashPrefix + tag)).string());
 }
 
 std::string readLatestTag(const std::string& dir) {

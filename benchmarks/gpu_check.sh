@@ -4,7 +4,8 @@
 # minutes (of which the machine takes about 2 to start): GPU_CHECK_BUDGET=420 s of phases, every
 # GPU phase first. It configures and builds what those phases need (the library, the Python
 # module and the C++ example; CMake + ninja on every core, into build-gpu/), then runs
-# tests/python/test_cuda.py (every stage on CUDA at world size 1 with NCCL), the C++ example on the
+# tests/python/test_cuda*.py (every stage on CUDA at world size 1 with NCCL, stage 3's gathers on
+# the compute stream and on a side stream, offload, fp16, checkpoints, meta init), the C++ example on the
 # GPU (ZeRO-3 over NCCL from C++), and benchmarks/bench_gpu.py (a ~1B GPT in bf16: plain, zeroshard
 # stage 3, FSDP2, stage 3 with its gathers on a side stream, then the other rows, in whatever time
 # is left). The CPU-only phases come last and are skipped by default: ctest (which compiles the
@@ -217,7 +218,10 @@ phase_ctest() {
 }
 
 phase_pytest_cuda() {
-  "$PYTHON" -m pytest tests/python/test_cuda.py -q -rs -p no:cacheprovider
+  # The parity and no-sync checks first (both ways of stage 3's gathers, zeroshard.stage3_gather_stream
+  # off and on), then offload and fp16, then checkpoints, save_16bit_model and meta init.
+  "$PYTHON" -m pytest tests/python/test_cuda.py tests/python/test_cuda_features.py tests/python/test_cuda_state.py \
+    -q -rs -p no:cacheprovider
 }
 
 phase_cpp_cuda() {
@@ -251,7 +255,7 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 EOF
   CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=$plugin_dir:$PYTHONPATH "$PYTHON" -m pytest tests/python \
-    -q -p no:cacheprovider -p world_size_one --ignore=tests/python/test_cuda.py
+    -q -p no:cacheprovider -p world_size_one --ignore-glob='tests/python/test_cuda*.py'
 }
 
 phase_bench() {
@@ -329,7 +333,7 @@ main() {
   if run_phase environment 45; then
     if [ "${SKIP_BUILD:-0}" = 1 ] || { run_phase configure 90 && run_phase build 240; }; then
       # The GPU phases first; the CPU-only ones in whatever time the benchmark left.
-      run_phase pytest-cuda 120 || true
+      run_phase pytest-cuda 180 || true
       run_phase cpp-cuda 60 || true
       run_phase bench $((DEADLINE - SECONDS - 5)) || true
       BENCH_DONE=1

@@ -25,39 +25,14 @@ BAD_STEP = 2
 TARGET = "blocks.1.up.weight"
 
 
-def _train(model, engine, rank, how):
-    """Steps 1-3; at step BAD_STEP rank 1 poisons `how` ("param": an inf in a row of TARGET's
-    gradient, "loss": a NaN loss). Returns (error or None, weights after each completed step,
-    the non-finite warnings, skipped_steps)."""
-    poison = {"on": False}
-    param = dict(model.named_parameters())[TARGET]
-    param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))
-                        if poison["on"] and how == "param" else g)
-    states, warned = [], []
-    for step in (1, 2, 3):
-        poison["on"] = step == BAD_STEP and rank == 1
-        tokens = global_batch(step, MICRO * WORLD)[rank * MICRO:(rank + 1) * MICRO]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                loss = model.loss(tokens)
-                engine.backward(loss * float("nan") if poison["on"] and how == "loss" else loss)
-                engine.step()
-            except RuntimeError as e:
-                return str(e), states, warned, engine.skipped_steps
-        warned += [str(w.message) for w in caught if "non-finite" in str(w.message)]
-        states.append(engine.full_state_dict())
-    return None, states, warned, engine.skipped_steps
-
-
 def _case(rank, world_size, stage, precision, mode, how, clip):
     import zeroshard
 
     model = make_model()
     engine = zeroshard.initialize(model, engine_config(stage, precision=precision, clip=clip,
                                                        zeroshard={"nonfinite": mode}))
-    error, states, warned, skipped = _train(model, engine, rank, how)
-    return {"error": error, "states": states, "warned": warned, "skipped": skipped}
+    error, states, warned, _ = _steps(model, engine, rank, how, (1, 2, 3))
+    return {"error": error, "states": states, "warned": warned, "skipped": engine.skipped_steps}
 
 
 CASES = {f"stage{stage}_{precision}_{mode}_{how}_{'clip' if clip else 'noclip'}": (stage, precision, mode, how, clip)
@@ -120,7 +95,9 @@ SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr
 
 
 def _steps(model, engine, rank, how, steps):
-    """_train's loop over `steps` (rank 1 poisons BAD_STEP), also recording each step's lr."""
+    """Trains `steps`; at step BAD_STEP rank 1 poisons `how` ("param": an inf in a row of TARGET's
+    gradient, "loss": a NaN loss). Returns (error or None, weights after each completed step, the
+    non-finite warnings, the lr after each completed step)."""
     poison = {"on": False}
     param = dict(model.named_parameters())[TARGET]
     param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))

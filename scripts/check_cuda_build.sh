@@ -105,7 +105,7 @@ status=0
 # that crashes on libstdc++ < 13 (Note [trees without std::filesystem] in remove_tree.h).
 for bin in "$BUILD_DIR"/python/zeroshard/*.so "$BUILD_DIR"/tests/cpp/zeroshard_* "$BUILD_DIR"/examples/cpp/zeroshard_*; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
-  if nm -D --undefined-only "$bin" | c++filt | grep -q "std::filesystem::remove_all"; then
+  if nm -D --undefined-only "$bin" | c++filt | grep -c "std::filesystem::remove_all" >/dev/null; then
     echo "check_cuda_build: $(basename "$bin") imports std::filesystem::remove_all; use zeroshard::removeTree"
     status=1
   fi

@@ -99,8 +99,8 @@ struct ZeroConfig {
   // Unset: on at stage 3 (DeepSpeed's default) and wherever the gradients are on a GPU. Below
   // stage 3 DeepSpeed leaves it off; on a GPU that makes the compute stream wait for every
   // bucket's reduction in turn, which cost little before max_inflight_reductions bounded the
-  // staging buffers overlap keeps alive, and now costs the overlap for nothing (Note [overlap
-  // on GPUs] in docs/config.md's overlap_comm row).
+  // staging buffers overlap keeps alive, and now costs the overlap for nothing (docs/config.md's
+  // overlap_comm row).
   bool overlapCommResolved(bool gradsOnGpu) const;
 };
 

@@ -63,7 +63,8 @@ const std::string& UnitScheduler::nameOf(size_t unit) const {
 //     backward: everything queued before the pass, no kernel of it.
 //   - the memory it allocates: a block freed by a unit released on the compute stream is
 //     handed out again on the side stream only after the side stream waited for that release
-//     (orderAllocationAfterUse, Note [release after use]).
+//     (orderAllocationAfterUse, Note [release after use]); an offloaded shard's device copy,
+//     dropped once the gather is waited for, likewise (finished()).
 // The compute stream waits for the gather itself in unshard(): CommHandle::wait() is called
 // with the compute stream current, before the unit's kernels are queued. Gathers that are
 // needed at once (unshard() of a unit that was not prefetched) stay on the compute stream:
@@ -121,6 +122,24 @@ CommHandle UnitScheduler::startGather(size_t u) {
   staged = at::empty({unit.layout().shardNumel()}, unit.flatParams().options());
   copyBetween(staged, unit.paramShard());
   return comm_.allGather(staged, unit.flatParams());
+}
+
+// A host shard's device copy is read by the gather on NCCL's stream. Issued from the gather
+// stream, its block belongs to that stream's pool, which c10d does not order after the gather:
+// the current stream has waited for the gather (CommHandle::wait), so the gather stream waits
+// for the current one before the block can be handed out again (Note [gather stream]).
+void UnitScheduler::finished(size_t u) {
+  auto& staged = stagedShards_[u];
+  if (staged.defined() && allocStreams_[u]) {
+    const auto device = staged.device();
+    const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+    if (current != *allocStreams_[u]) {
+      c10::Event gathered(device.type());
+      gathered.record(current);
+      gathered.block(*allocStreams_[u]);
+    }
+  }
+  staged = at::Tensor();
 }
 
 void UnitScheduler::reshard(size_t u, bool keepSecondary) {

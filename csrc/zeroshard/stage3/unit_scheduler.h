@@ -123,7 +123,7 @@ class UnitScheduler final : public ParamStorage {
   // An all-gather of unit u's shard into its full buffer (started; the device copy of a host
   // shard is kept until finished() is called for it).
   CommHandle startGather(size_t u);
-  void finished(size_t u) { stagedShards_[u] = at::Tensor(); }
+  void finished(size_t u);
   const std::string& nameOf(size_t unit) const;
 
   std::vector<Bucket>& units_;

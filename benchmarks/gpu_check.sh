@@ -144,14 +144,17 @@ EOF
 }
 
 # ProcessGroupNCCL.hpp includes <nccl.h>, which neither torch's CMake package nor the CUDA toolkit
-# provides when NCCL comes from the nvidia-nccl wheel: find it for the compiler.
+# provides when NCCL comes from the nvidia-nccl wheel: find it for the compiler. The wheel's beside
+# torch first (the NCCL torch was built against: c10d's headers test NCCL_* macros), the
+# toolkit's and the system's last.
 nccl_include_dir() {
   "$PYTHON" - <<'EOF'
 import glob, importlib.util, os, sysconfig
-dirs = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/include"]
+dirs = []
 torch_site = os.path.dirname(importlib.util.find_spec("torch").submodule_search_locations[0])
 for root in [torch_site] + sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")} - {torch_site}):
     dirs += sorted(glob.glob(os.path.join(root, "nvidia", "*", "include")))
+dirs += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/include"]
 print(next((d for d in dirs if os.path.exists(os.path.join(d, "nccl.h"))), ""))
 EOF
 }

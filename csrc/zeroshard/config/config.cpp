@@ -98,8 +98,8 @@ BatchSizes Config::batchSizes(int64_t worldSize) const {
   const auto& accum = gradientAccumulationSteps;
 
   if (train && micro && accum) {
-    const int64_t product = multiply(multiply(*micro, *accum, source, "the batch size"), worldSize,
-                                     source, "the batch size");
+    const int64_t product = multiply(multiply(*micro, *accum, source, "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, the global batch size,"), worldSize,
+                                     source, "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, the global batch size,");
     if (*train != product) {
       throw ConfigError(p + named("train_batch_size", *train) + " != " +
                         named("train_micro_batch_size_per_gpu", *micro) + " * " +
@@ -110,13 +110,13 @@ BatchSizes Config::batchSizes(int64_t worldSize) const {
     return {*train, *micro, *accum};
   }
   if (train && micro) {
-    const int64_t perStep = multiply(*micro, worldSize, source, "the batch size");
+    const int64_t perStep = multiply(*micro, worldSize, source, "train_micro_batch_size_per_gpu * world size");
     const std::string text = named("train_micro_batch_size_per_gpu", *micro) + " * " + world +
                              " = " + std::to_string(perStep);
     return {*train, *micro, divide(*train, perStep, text, "gradient_accumulation_steps")};
   }
   if (train && accum) {
-    const int64_t perMicro = multiply(*accum, worldSize, source, "the batch size");
+    const int64_t perMicro = multiply(*accum, worldSize, source, "gradient_accumulation_steps * world size");
     const std::string text = named("gradient_accumulation_steps", *accum) + " * " + world +
                              " = " + std::to_string(perMicro);
     return {*train, divide(*train, perMicro, text, "train_micro_batch_size_per_gpu"), *accum};
@@ -124,8 +124,8 @@ BatchSizes Config::batchSizes(int64_t worldSize) const {
   if (train) return {*train, divide(*train, worldSize, world, "train_micro_batch_size_per_gpu"), 1};
   if (micro) {
     const int64_t steps = accum.value_or(1);
-    const int64_t total = multiply(multiply(*micro, steps, source, "the batch size"), worldSize,
-                                   source, "the batch size");
+    const int64_t total = multiply(multiply(*micro, steps, source, "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, the global batch size,"), worldSize,
+                                   source, "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, the global batch size,");
     return {total, *micro, steps};
   }
   throw ConfigError(p + "train_batch_size or train_micro_batch_size_per_gpu is needed" +

@@ -97,9 +97,14 @@ void Engine::initFromMeta(const MetaInit& init) {
     return place.frozen ? frozenBuckets_[place.bucket] : buckets_[place.bucket];
   };
   const auto paramOf = [&](const ParamAt& place) { return bucketOf(place).params()[place.index]; };
+  // A trained parameter is fp32 during its step (it seeds the master weights); a frozen one
+  // keeps its dtype, so the step draws into it as it would into the module's own tensor.
+  const auto stepDtype = [&](const ParamAt& place) {
+    return place.frozen ? frozenBuckets_[place.bucket].flatParams().scalar_type() : at::kFloat;
+  };
   const auto pointAtMeta = [&](const ParamAt& place) {
     at::Tensor p = paramOf(place);
-    setTensorData(p, at::empty(p.sizes(), p.options().dtype(at::kFloat).device(at::kMeta)));
+    setTensorData(p, at::empty(p.sizes(), p.options().dtype(stepDtype(place)).device(at::kMeta)));
   };
   for (const auto& [name, place] : all) pointAtMeta(place);
 
@@ -133,7 +138,8 @@ void Engine::initFromMeta(const MetaInit& init) {
       for (int attempt = 0;; ++attempt) {
         values.clear();
         for (size_t k = 0; k < names.size(); ++k) {
-          at::Tensor scratch = at::zeros(paramOf(places[k]).sizes(), at::TensorOptions().device(init.device));
+          at::Tensor scratch = at::zeros(paramOf(places[k]).sizes(),
+                                         at::TensorOptions().dtype(stepDtype(places[k])).device(init.device));
           setTensorData(paramOf(places[k]), scratch);
           values.emplace_back(names[k], scratch);
         }

@@ -246,6 +246,36 @@ def test_errors_name_the_flag_or_key(capsys, tmp_path):
     assert "zero_optimization.reduce_bucket_size" in _error(capsys, "plan", "--params", "8e9", "--config", str(bad))
 
 
+def test_frozen_flags_errors_name_the_flag(capsys, tmp_path):
+    """--lora-rank, --lora-targets and --trainable-fraction: a bad value, a target the model has
+    no Linear layer for, a combination that cannot be planned."""
+    llama = ("plan", "--model", "llama-3-8b")
+    assert "argument --lora-rank: '0' is not a whole number of at least 1" in _error(capsys, *llama, "--lora-rank", "0")
+    assert "argument --trainable-fraction: '1.5' is not a fraction above 0 and at most 1" in \
+        _error(capsys, *llama, "--trainable-fraction", "1.5")
+    assert "argument --trainable-fraction: '0' is not a fraction" in _error(capsys, *llama, "--trainable-fraction", "0")
+    assert "argument --trainable-fraction: not allowed with argument --lora-rank" in \
+        _error(capsys, *llama, "--lora-rank", "8", "--trainable-fraction", "0.5")
+    assert "argument --lora-targets: goes with --lora-rank" in _error(capsys, *llama, "--lora-targets", "q_proj")
+    err = _error(capsys, *llama, "--lora-rank", "8", "--lora-targets", "q_proj,qkv_proj")
+    assert "argument --lora-targets: qkv_proj names no Linear layer of the model" in err and "gate_proj" in err
+    assert "argument --lora-targets: 'q_proj,,v proj' is not a list of module names" in \
+        _error(capsys, *llama, "--lora-rank", "8", "--lora-targets", "q_proj,,v proj")
+    assert "argument --lora-rank: a bare --params count has no layers" in \
+        _error(capsys, "plan", "--params", "8e9", "--lora-rank", "8")
+    assert "argument --model: cannot read llama-9b" in (err := _error(capsys, "plan", "--model", "llama-9b")) and \
+        "llama-3-70b" in err
+    frozen = tmp_path / "frozen_model.py"
+    frozen.write_text("import torch\n\ndef build():\n    m = torch.nn.Linear(4, 4)\n"
+                      "    m.bias.requires_grad_(False)\n    return m\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert "argument --lora-rank: the model already freezes 1 parameters (e.g. 'bias')" in \
+            _error(capsys, "plan", "--module", "frozen_model:build", "--lora-rank", "2", "--lora-targets", "x")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def test_commands_dispatch_and_usage_names_both(capsys, monkeypatch):
     assert zeroshard_main([]) == 2
     usage = capsys.readouterr().err

@@ -293,11 +293,22 @@ def test_a_cli_error_exits_2_without_a_traceback():
     assert done.returncode == 2 and "Traceback" not in done.stderr and "argument --link" in done.stderr
 
 
-@pytest.mark.parametrize("params", ["8e9", "7e10"])
-def test_the_readme_tables_are_the_planners(capsys, params):
-    args = ["--params", params, "--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB", "--offload"]
+CARDS = ["--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB"]
+README_PLANS = {
+    "8e9": (["--params", "8e9", *CARDS, "--offload"], ["README.md"]),
+    "7e10": (["--params", "7e10", *CARDS, "--offload"], ["README.md"]),
+    # Llama-3-70B with LoRA on a frozen base: also docs/planner.md's "Frozen parameters (LoRA)".
+    "llama-3-70b-lora": (["--model", "llama-3-70b", "--lora-rank", "16", "--lora-targets", "q_proj,v_proj", *CARDS,
+                          "--activation-checkpointing", "--offload"], ["README.md", "docs/planner.md"]),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(README_PLANS))
+def test_the_readme_tables_are_the_planners(capsys, plan):
+    args, pages = README_PLANS[plan]
     assert zeroshard_main(["plan", *args]) == 0
     table = "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("|"))
-    readme = (ROOT / "README.md").read_text()
-    assert f"python -m zeroshard plan {' '.join(args)}" in readme
-    assert table in readme, "README.md's 'Before you rent' table is not what the planner prints now"
+    for page in pages:
+        text = (ROOT / page).read_text()
+        assert f"python -m zeroshard plan {' '.join(args)}" in text, page
+        assert table in text, f"{page}'s table for {plan} is not what the planner prints now"

@@ -16,8 +16,8 @@ import os
 import re
 import sys
 
-from zeroshard.planner.freezing import (LLAMA_TARGETS, check_unfrozen, lora_targets, trained_count, with_lora,
-                                        with_trainable_fraction)
+from zeroshard.planner.freezing import (DEFAULT_TARGETS, LLAMA_TARGETS, check_unfrozen, lora_targets, trained_count,
+                                        with_lora, with_trainable_fraction)
 from zeroshard.planner.hf_config import ConfigKeyError, TransformerShape, model_params, read_config
 from zeroshard.planner.known_models import KNOWN_MODELS, known_model
 from zeroshard.planner.report import json_report, text_report
@@ -116,7 +116,7 @@ def build_parser():
     how.add_argument("--trainable-fraction", type=_fraction, metavar="F", help="train the last parameters "
                      "(the head, the top layers), a fraction F of all (0 < F <= 1), and freeze the rest")
     frozen.add_argument("--lora-targets", type=_names, metavar="NAMES", help="the Linear layers given adapters, "
-                        f"by their own names (default q_proj,v_proj; Llama's: {','.join(LLAMA_TARGETS)})")
+                        f"by their own names (default {','.join(DEFAULT_TARGETS)}; Llama's: {','.join(LLAMA_TARGETS)})")
     p.add_argument("--json", action="store_true", help="one JSON document with every number")
     return p
 
@@ -204,7 +204,7 @@ def _frozen_source(parser, args, source):
     except ValueError as e:
         parser.error(f"argument {flag}: {e}")
     if args.lora_rank is not None:
-        targets = args.lora_targets or ("q_proj", "v_proj")
+        targets = args.lora_targets or DEFAULT_TARGETS
         try:
             lora_targets(source.params, targets)
         except ValueError as e:

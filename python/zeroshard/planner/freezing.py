@@ -16,6 +16,7 @@ from zeroshard.planner.model_params import ITEMSIZE, ROOT, FrozenParam, Linear, 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Llama models
 
 
 def _leaf(module):

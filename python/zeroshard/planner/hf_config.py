@@ -1,5 +1,6 @@
 """A Hugging Face config.json as the planner's ModelParams: the parameters (names, sizes and
-order) and stage-3 units that transformers would build for it, counted without building it.
+order), stage-3 units and Linear layers that transformers would build for it, counted without
+building it.
 
 Two families, chosen by model_type:
 - "gpt2": GPT2LMHeadModel. Per layer 12h² + 13h (ln_1, c_attn 3h² + 3h, c_proj h² + h, ln_2,

@@ -20,7 +20,7 @@ from training import engine_config, train_global_batches
 from zeroshard.__main__ import main as zeroshard_main
 from zeroshard.planner import ModelParams, model_state
 from zeroshard.planner.hf_config import model_params, read_config
-from zeroshard.planner.setups import ModelSource, Setup, card
+from zeroshard.planner.setups import STATES, ModelSource, Setup, card
 
 ROOT = Path(__file__).resolve().parents[2]
 GB = 10**9
@@ -75,15 +75,17 @@ def _plan_card(case, stage, precision, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_model_states_are_the_engines_memory_stats(engine_runs, world_size):
     """model_state() for the module and config zeroshard.initialize gets is memory_stats()'s
-    params, grads and optimizer bytes exactly: the same buckets, units, kept unit and padding."""
+    params, grads and optimizer bytes exactly: the same buckets, units, kept unit and padding.
+    (The frozen parameters' bytes and the totals with them: test_planner_frozen.py.)"""
     numbers = engine_runs.result(world_size, "numbers")
     for case, stage, precision, offload in _runs(world_size):
         flags = {"offload_optimizer": bool(offload), "offload_params": bool(offload and "offload_param" in offload)}
         expected = model_state(make_model(**CASES[case][2]), stage, world_size, precision,
                                _config(case, stage, precision, offload), **flags)
+        trained = {k: v for k, v in expected.items() if not k.endswith(("frozen", "total"))}
         for rank, by_run in enumerate(numbers):
             mem, _ = by_run[case, stage, precision, str(offload)]
-            assert {k: mem[k] for k in expected} == expected, (case, stage, precision, offload, rank)
+            assert {k: mem[k] for k in trained} == trained, (case, stage, precision, offload, rank)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -187,7 +189,7 @@ def test_a_module_factory_is_counted_on_the_meta_device(capsys):
     states = {s["stage"]: s["device"] for s in doc["plans"][0]["setups"]}
     for stage in range(4):
         expected = model_state(make_model(), stage, 2, "fp32")
-        assert {k: states[stage][k] for k in expected} == expected
+        assert {k: states[stage][k] for k in STATES} == {k: expected[k] for k in STATES}
 
 
 CONFIGS = {
@@ -244,6 +246,36 @@ def test_errors_name_the_flag_or_key(capsys, tmp_path):
     assert "zero_optimization.reduce_bucket_size" in _error(capsys, "plan", "--params", "8e9", "--config", str(bad))
 
 
+def test_frozen_flags_errors_name_the_flag(capsys, tmp_path):
+    """--lora-rank, --lora-targets and --trainable-fraction: a bad value, a target the model has
+    no Linear layer for, a combination that cannot be planned."""
+    llama = ("plan", "--model", "llama-3-8b")
+    assert "argument --lora-rank: '0' is not a whole number of at least 1" in _error(capsys, *llama, "--lora-rank", "0")
+    assert "argument --trainable-fraction: '1.5' is not a fraction above 0 and at most 1" in \
+        _error(capsys, *llama, "--trainable-fraction", "1.5")
+    assert "argument --trainable-fraction: '0' is not a fraction" in _error(capsys, *llama, "--trainable-fraction", "0")
+    assert "argument --trainable-fraction: not allowed with argument --lora-rank" in \
+        _error(capsys, *llama, "--lora-rank", "8", "--trainable-fraction", "0.5")
+    assert "argument --lora-targets: goes with --lora-rank" in _error(capsys, *llama, "--lora-targets", "q_proj")
+    err = _error(capsys, *llama, "--lora-rank", "8", "--lora-targets", "q_proj,qkv_proj")
+    assert "argument --lora-targets: qkv_proj names no Linear layer of the model" in err and "gate_proj" in err
+    assert "argument --lora-targets: 'q_proj,,v proj' is not a list of module names" in \
+        _error(capsys, *llama, "--lora-rank", "8", "--lora-targets", "q_proj,,v proj")
+    assert "argument --lora-rank: a bare --params count has no layers" in \
+        _error(capsys, "plan", "--params", "8e9", "--lora-rank", "8")
+    assert "argument --model: cannot read llama-9b" in (err := _error(capsys, "plan", "--model", "llama-9b")) and \
+        "llama-3-70b" in err
+    frozen = tmp_path / "frozen_model.py"
+    frozen.write_text("import torch\n\ndef build():\n    m = torch.nn.Linear(4, 4)\n"
+                      "    m.bias.requires_grad_(False)\n    return m\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert "argument --lora-rank: the model already freezes 1 parameters (e.g. 'bias')" in \
+            _error(capsys, "plan", "--module", "frozen_model:build", "--lora-rank", "2", "--lora-targets", "x")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def test_commands_dispatch_and_usage_names_both(capsys, monkeypatch):
     assert zeroshard_main([]) == 2
     usage = capsys.readouterr().err
@@ -261,11 +293,22 @@ def test_a_cli_error_exits_2_without_a_traceback():
     assert done.returncode == 2 and "Traceback" not in done.stderr and "argument --link" in done.stderr
 
 
-@pytest.mark.parametrize("params", ["8e9", "7e10"])
-def test_the_readme_tables_are_the_planners(capsys, params):
-    args = ["--params", params, "--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB", "--offload"]
+CARDS = ["--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB"]
+README_PLANS = {
+    "8e9": (["--params", "8e9", *CARDS, "--offload"], ["README.md"]),
+    "7e10": (["--params", "7e10", *CARDS, "--offload"], ["README.md"]),
+    # Llama-3-70B with LoRA on a frozen base: also docs/planner.md's "Frozen parameters (LoRA)".
+    "llama-3-70b-lora": (["--model", "llama-3-70b", "--lora-rank", "16", "--lora-targets", "q_proj,v_proj", *CARDS,
+                          "--activation-checkpointing", "--offload"], ["README.md", "docs/planner.md"]),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(README_PLANS))
+def test_the_readme_tables_are_the_planners(capsys, plan):
+    args, pages = README_PLANS[plan]
     assert zeroshard_main(["plan", *args]) == 0
     table = "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("|"))
-    readme = (ROOT / "README.md").read_text()
-    assert f"python -m zeroshard plan {' '.join(args)}" in readme
-    assert table in readme, "README.md's 'Before you rent' table is not what the planner prints now"
+    for page in pages:
+        text = (ROOT / page).read_text()
+        assert f"python -m zeroshard plan {' '.join(args)}" in text, page
+        assert table in text, f"{page}'s table for {plan} is not what the planner prints now"

@@ -3,17 +3,23 @@
     python -m zeroshard plan --params 8e9 --gpus 4 --gpu-memory 80GB
     python -m zeroshard plan --model config.json --gpus 8 --gpu-memory 24GB --seq 4096 --offload
     python -m zeroshard plan --module mypkg.models:build --gpus 4,8 --gpu-memory 24GB,48GB,80GB --json
+    python -m zeroshard plan --model llama-3-70b --lora-rank 16 --gpus 4,8 --gpu-memory 24GB,80GB
 
 Formulas and what is not counted: docs/planner.md.
 """
 
 import argparse
+import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 
+from zeroshard.planner.freezing import (DEFAULT_TARGETS, LLAMA_TARGETS, check_unfrozen, lora_targets, trained_count,
+                                        with_lora, with_trainable_fraction)
 from zeroshard.planner.hf_config import ConfigKeyError, TransformerShape, model_params, read_config
+from zeroshard.planner.known_models import KNOWN_MODELS, known_model
 from zeroshard.planner.report import json_report, text_report
 from zeroshard.planner.setups import ModelSource, card, ordered, setups
 from zeroshard.planner.traffic import LINKS, parse_link
@@ -59,12 +65,31 @@ def _positive(text):
     return value
 
 
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction above 0 and at most 1 (0.1: a tenth of the "
+                                         "parameters trained)")
+    return value
+
+
+def _names(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of module names (q_proj,v_proj)")
+    return tuple(names)
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m zeroshard plan", description=__doc__.split("\n\n")[0],
                                 epilog="GB = 1e9 bytes. docs/planner.md has the formulas.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=parameter_count, help="parameter count (8e9, 70B)")
-    source.add_argument("--model", metavar="CONFIG_JSON", help="a Hugging Face config.json")
+    source.add_argument("--model", metavar="CONFIG_JSON", help="a Hugging Face config.json, or a known model: "
+                        + ", ".join(KNOWN_MODELS))
     source.add_argument("--module", metavar="PKG:FACTORY",
                         help="a factory returning the nn.Module, called under torch.device('meta')")
     p.add_argument("--gpus", type=_listed(_positive), default=[8], help="cards (4, or 4,8 for a grid; default 8)")
@@ -83,6 +108,15 @@ def build_parser():
     shapes = p.add_argument_group("shapes, with --params (for activations and stage-3 units)")
     for flag in ("--hidden", "--layers", "--heads", "--vocab"):
         shapes.add_argument(flag, type=_positive)
+    frozen = p.add_argument_group("frozen parameters (with --model or --module; --trainable-fraction also with "
+                                  "--params), counted in the --dtype")
+    how = frozen.add_mutually_exclusive_group()
+    how.add_argument("--lora-rank", type=_positive, metavar="R", help="LoRA adapters of rank R (as peft's "
+                     "get_peft_model) on a frozen base")
+    how.add_argument("--trainable-fraction", type=_fraction, metavar="F", help="train the last parameters "
+                     "(the head, the top layers), a fraction F of all (0 < F <= 1), and freeze the rest")
+    frozen.add_argument("--lora-targets", type=_names, metavar="NAMES", help="the Linear layers given adapters, "
+                        f"by their own names (default {','.join(DEFAULT_TARGETS)}; Llama's: {','.join(LLAMA_TARGETS)})")
     p.add_argument("--json", action="store_true", help="one JSON document with every number")
     return p
 
@@ -119,7 +153,18 @@ def _module_source(parser, spec, unit_classes):
     return ModelSource(f"--module {spec}", params.numel, params, shape, notes=tuple(notes))
 
 
-def model_source(parser, args, unit_classes=()):
+def _hf_config(parser, spec):
+    """The config dict of --model: a config.json's, else a known model's."""
+    if not os.path.exists(spec) and known_model(spec) is not None:
+        return known_model(spec)
+    try:
+        return read_config(spec)
+    except ConfigKeyError as e:
+        known = "" if os.path.exists(spec) else f" (the known models: {', '.join(KNOWN_MODELS)})"
+        parser.error(f"argument --model: {e}{known}")
+
+
+def _base_source(parser, args, unit_classes):
     given = [args.hidden, args.layers, args.heads]
     shape = None
     if args.hidden or args.heads:  # --layers alone is enough for stage-3 units
@@ -131,13 +176,50 @@ def model_source(parser, args, unit_classes=()):
         return ModelSource("--params", args.params, shape=shape, layers=args.layers, notes=notes)
     if args.module is not None:
         source = _module_source(parser, args.module, unit_classes)
-        return source if shape is None else ModelSource(source.description, source.numel, source.params, shape,
-                                                        notes=source.notes)
+        return source if shape is None else dataclasses.replace(source, shape=shape)
     try:
-        params, hf_shape, notes = model_params(read_config(args.model), args.model)
+        params, hf_shape, notes = model_params(_hf_config(parser, args.model), args.model)
     except ConfigKeyError as e:
         parser.error(f"argument --model: {e}")
     return ModelSource(f"--model {args.model}", params.numel, params, shape or hf_shape, notes=tuple(notes))
+
+
+def _frozen_source(parser, args, source):
+    """The source with the parameters --lora-rank or --trainable-fraction freeze."""
+    if args.lora_targets is not None and args.lora_rank is None:
+        parser.error("argument --lora-targets: goes with --lora-rank")
+    if args.lora_rank is None and args.trainable_fraction is None:
+        return source
+    flag = "--lora-rank" if args.lora_rank is not None else "--trainable-fraction"
+    if source.params is None:
+        if args.lora_rank is not None:
+            parser.error("argument --lora-rank: a bare --params count has no layers to give adapters: use --model "
+                         f"config.json (or a known model: {', '.join(KNOWN_MODELS)}) or --module, or "
+                         "--trainable-fraction for an estimate")
+        frozen = source.numel - trained_count(source.numel, args.trainable_fraction)
+        note = f"--trainable-fraction {args.trainable_fraction:g}: the rest frozen in {args.dtype}"
+        return dataclasses.replace(source, frozen_numel=frozen, notes=source.notes + (note,))
+    try:
+        check_unfrozen(source.params, flag)
+    except ValueError as e:
+        parser.error(f"argument {flag}: {e}")
+    if args.lora_rank is not None:
+        targets = args.lora_targets or DEFAULT_TARGETS
+        try:
+            lora_targets(source.params, targets)
+        except ValueError as e:
+            parser.error(f"argument --lora-targets: {e}")
+        params = with_lora(source.params, args.lora_rank, targets, args.dtype)
+        note = f"LoRA r={args.lora_rank} on {', '.join(targets)} (peft's parameters), the base frozen in {args.dtype}"
+    else:
+        params = with_trainable_fraction(source.params, args.trainable_fraction, args.dtype)
+        note = (f"--trainable-fraction {args.trainable_fraction:g}: the last parameters (the head, the top "
+                f"layers) trained, the rest frozen in {args.dtype}")
+    return dataclasses.replace(source, numel=params.numel, params=params, notes=source.notes + (note,))
+
+
+def model_source(parser, args, unit_classes=()):
+    return _frozen_source(parser, args, _base_source(parser, args, unit_classes))
 
 
 def _engine_config(parser, args):

@@ -1,5 +1,6 @@
 """A Hugging Face config.json as the planner's ModelParams: the parameters (names, sizes and
-order) and stage-3 units that transformers would build for it, counted without building it.
+order), stage-3 units and Linear layers that transformers would build for it, counted without
+building it.
 
 Two families, chosen by model_type:
 - "gpt2": GPT2LMHeadModel. Per layer 12h² + 13h (ln_1, c_attn 3h² + 3h, c_proj h² + h, ln_2,
@@ -16,7 +17,7 @@ tests/python/test_planner.py holds both to transformers' own models built on the
 import json
 from dataclasses import dataclass
 
-from zeroshard.planner.layout import ROOT, ModelParams
+from zeroshard.planner.model_params import ROOT, Linear, ModelParams
 
 
 class ConfigKeyError(ValueError):
@@ -64,9 +65,11 @@ def _gpt2(config, source):
     heads = _get(config, "n_head", source)
     inner = config.get("n_inner") or 4 * h
     params = [("transformer.wte.weight", vocab * h), ("transformer.wpe.weight", positions * h)]
-    units = []
+    units, linears = [], []
     for i in range(layers):
         p = f"transformer.h.{i}."
+        linears += [Linear(p + "attn.c_attn", h, 3 * h), Linear(p + "attn.c_proj", h, h),
+                    Linear(p + "mlp.c_fc", h, inner), Linear(p + "mlp.c_proj", inner, h)]
         layer = [(p + "ln_1.weight", h), (p + "ln_1.bias", h), (p + "attn.c_attn.weight", 3 * h * h),
                  (p + "attn.c_attn.bias", 3 * h), (p + "attn.c_proj.weight", h * h), (p + "attn.c_proj.bias", h),
                  (p + "ln_2.weight", h), (p + "ln_2.bias", h), (p + "mlp.c_fc.weight", h * inner),
@@ -78,7 +81,8 @@ def _gpt2(config, source):
         root.append(("lm_head.weight", vocab * h))
     params += root
     units.append((ROOT, ("transformer.wte.weight", "transformer.wpe.weight") + tuple(n for n, _ in root)))
-    return params, units, TransformerShape(h, layers, heads, vocab)
+    linears.append(Linear("lm_head", h, vocab))  # a module even when its weight is the embedding's
+    return params, units, linears, TransformerShape(h, layers, heads, vocab)
 
 
 def _llama(config, source):
@@ -91,18 +95,21 @@ def _llama(config, source):
     attention_bias = qwen2 or bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
     params = [("model.embed_tokens.weight", vocab * h)]
-    units = []
+    units, linears = [], []
     for i in range(layers):
         p = f"model.layers.{i}."
         layer = []
         for name, rows in (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)):
+            linears.append(Linear(f"{p}self_attn.{name}", h, rows))
             layer.append((f"{p}self_attn.{name}.weight", rows * h))
             if attention_bias:
                 layer.append((f"{p}self_attn.{name}.bias", rows))
+        linears.append(Linear(f"{p}self_attn.o_proj", heads * d, h))
         layer.append((f"{p}self_attn.o_proj.weight", heads * d * h))
         if attention_bias and not qwen2:
             layer.append((f"{p}self_attn.o_proj.bias", h))
-        for name, rows in (("gate_proj", inner), ("up_proj", inner), ("down_proj", h)):
+        for name, rows, columns in (("gate_proj", inner, h), ("up_proj", inner, h), ("down_proj", h, inner)):
+            linears.append(Linear(f"{p}mlp.{name}", columns, rows))
             layer.append((f"{p}mlp.{name}.weight", h * inner))
             if mlp_bias:
                 layer.append((f"{p}mlp.{name}.bias", rows))
@@ -114,7 +121,8 @@ def _llama(config, source):
         root.append(("lm_head.weight", vocab * h))
     params += root
     units.append((ROOT, ("model.embed_tokens.weight",) + tuple(n for n, _ in root)))
-    return params, units, TransformerShape(h, layers, heads, vocab)
+    linears.append(Linear("lm_head", h, vocab))  # a module even when its weight is the embedding's
+    return params, units, linears, TransformerShape(h, layers, heads, vocab)
 
 
 def _tied(config):
@@ -129,10 +137,10 @@ def model_params(config, source="config.json"):
     notes = []
     model_type = config.get("model_type")
     if model_type == "gpt2":
-        params, units, shape = _gpt2(config, source)
+        params, units, linears, shape = _gpt2(config, source)
         family = "GPT-2"
     else:
-        params, units, shape = _llama(config, source)
+        params, units, linears, shape = _llama(config, source)
         family = "Llama-style"
         if model_type not in _TIED_BY_DEFAULT:
             notes.append(f"model_type {model_type!r} counted as a Llama-style model (gated MLP, no biases "
@@ -141,4 +149,4 @@ def model_params(config, source="config.json"):
         notes.append(f"tie_word_embeddings not in {source}: {str(_tied(config)).lower()}, "
                      f"transformers' default for {model_type or 'this model'}")
     notes.insert(0, f"{family} model from {source}")
-    return ModelParams(tuple(params), tuple(units)), shape, notes
+    return ModelParams(tuple(params), tuple(units), linears=tuple(linears)), shape, notes

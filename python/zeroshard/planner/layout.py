@@ -6,11 +6,12 @@ What is mirrored, and from where:
 - buckets (stages 0-2): the trainable parameters of one param group, walked from the last to
   the first, a bucket closed as soon as it holds reduce_bucket_size elements or more
   (layout/param_groups.cpp, bucketParamGroups);
-- units (stage 3): one per unit spec (stage3.find_units / unit_specs, the rule of
-  stage3/unit_builder.cpp assignUnits), the root last; parameters of at most
+- units (stage 3): one per unit spec (stage3.find_units and the rule of
+  stage3/unit_builder.cpp assignUnits, planner.model_params), the root last; parameters of at most
   stage3_param_persistence_threshold elements leave their unit for one kept unit, after the
   others; a unit left with no parameter is no buffer (buildStage3Units);
-- padding: every buffer rounded up to SHARD_ALIGNMENT elements per shard (FlatLayout).
+- padding: every buffer rounded up to SHARD_ALIGNMENT elements per shard (FlatLayout);
+- frozen parameters: whole below stage 3, per unit and dtype at stage 3 (planner.frozen).
 One param group (initialize without param_groups); several groups bucket each on its own.
 The mirror is Python, against STYLE's thin layer, because the C++ layout builds tensors: the
 planner must run for a 70B model on a laptop. tests/python/test_planner.py holds the two equal.
@@ -19,35 +20,9 @@ planner must run for a 70B model on a laptop. tests/python/test_planner.py holds
 from dataclasses import dataclass
 from typing import Optional
 
+from zeroshard.planner.frozen import frozen_buffers, frozen_state
+from zeroshard.planner.model_params import ROOT, ModelParams
 from zeroshard.planner.state_bytes import model_state_bytes, offloaded_state_bytes, padded_numel
-
-ROOT = "<root>"
-
-
-@dataclass(frozen=True)
-class ModelParams:
-    """A model's trainable parameters as the engine sees them: (name, numel) in
-    named_parameters() order, a tied one once, and the stage-3 unit specs, (unit name, parameter
-    names), the root "<root>" last. Built from a module (of_module) or from a Hugging Face config
-    (planner.hf_config)."""
-
-    params: tuple
-    units: tuple
-
-    @classmethod
-    def of_module(cls, model, unit_classes=()):
-        """The module's own parameters and units, found as zeroshard.initialize finds them
-        (zeroshard.stage3_unit_classes, else the children of the largest nn.ModuleList)."""
-        from zeroshard import stage3
-
-        params = tuple((n, p.numel()) for n, p in model.named_parameters() if p.requires_grad)
-        specs = stage3.unit_specs(model, stage3.find_units(model, unit_classes))
-        return cls(params, tuple((s["name"], tuple(s["params"])) for s in specs))
-
-    @property
-    def numel(self):
-        return sum(n for _, n in self.params)
-
 
 @dataclass(frozen=True)
 class Tuning:
@@ -97,14 +72,16 @@ class Tuning:
 
 @dataclass(frozen=True)
 class Buffers:
-    """The padded elements of every flat buffer one stage builds for shards over world_size
-    ranks. Below stage 3: the buckets, in the order the engine builds them. At stage 3: the
-    units that are gathered and released (`root` flags the root unit's), then `kept`, the padded
-    elements of the unit kept gathered (0 when there is none)."""
+    """The padded elements of every flat buffer of trained parameters one stage builds for
+    shards over world_size ranks. Below stage 3: the buckets, in the order the engine builds
+    them. At stage 3: the units that are gathered and released (`root` flags the root unit's,
+    `units` names each), then `kept`, the padded elements of the unit kept gathered (0 when there
+    is none)."""
 
     padded: tuple
     root: tuple = ()
     kept: int = 0
+    units: tuple = ()
 
     @property
     def total(self):
@@ -113,11 +90,6 @@ class Buffers:
     @property
     def largest(self):
         return max(self.padded + (self.kept,))
-
-    @property
-    def largest_block(self):
-        """Stage 3: the largest released unit but the root (0 when the root is the only one)."""
-        return max((n for n, root in zip(self.padded, self.root) if not root), default=0)
 
     @property
     def root_numel(self):
@@ -141,19 +113,21 @@ def bucket_numels(numels, capacity):
 def buffers(model, stage, world_size, tuning):
     """Buffers of a ModelParams at `stage` (0-3) for shards over world_size ranks."""
     if stage < 3:
-        sizes = bucket_numels([n for _, n in model.params], tuning.reduce_bucket_size)
+        sizes = bucket_numels([n for _, n in model.trained], tuning.reduce_bucket_size)
         return Buffers(tuple(padded_numel(n, world_size) for n in sizes))
-    numel = dict(model.params)
-    padded, root, kept = [], [], []
+    numel = dict(model.trained)
+    padded, root, kept, names = [], [], [], []
     for name, params in model.units:
+        params = [p for p in params if p in numel]
         released = [numel[p] for p in params if numel[p] > tuning.persistence_threshold]
         kept += [numel[p] for p in params if numel[p] <= tuning.persistence_threshold]
         if released:
             padded.append(padded_numel(sum(released), world_size))
             root.append(name == ROOT)
+            names.append(name)
     # A buffer is never empty: FlatLayout pads even one of no elements to one aligned block per shard.
     kept_padded = max(padded_numel(sum(kept), world_size), padded_numel(1, world_size)) if kept else 0
-    return Buffers(tuple(padded), tuple(root), kept_padded)
+    return Buffers(tuple(padded), tuple(root), kept_padded, tuple(names))
 
 
 def fp32_grad_shard(stage, precision, tuning):
@@ -167,22 +141,29 @@ def fp32_grad_shard(stage, precision, tuning):
 
 def model_state(model, stage, world_size, precision="bf16", config=None, offload_optimizer=False,
                 offload_params=False):
-    """{"params", "grads", "optimizer"}: the bytes memory_stats() reports for `model` (an
-    nn.Module, or a ModelParams) at `stage` over world_size ranks (the shard group's size with
-    hybrid sharding) in `precision` ("fp32", "bf16", "fp16"), under `config` (the zeroshard
-    config's bucket size, persistence threshold, accumulation and reduce dtype; None: the
-    defaults). With offload (stages 1-3; offload_params at stage 3) also host_* and device_*."""
+    """{"params", "grads", "optimizer", "frozen", "total"}: the bytes memory_stats() reports for
+    `model` (an nn.Module, or a ModelParams) at `stage` over world_size ranks (the shard group's
+    size with hybrid sharding) in `precision` ("fp32", "bf16", "fp16"), under `config` (the
+    zeroshard config's bucket size, persistence threshold, accumulation and reduce dtype; None:
+    the defaults). params, grads and optimizer are the trained parameters'; frozen the frozen
+    ones' (planner.frozen). With offload (stages 1-3; offload_params at stage 3) also host_*
+    and device_* of each, and of the total."""
     params = model if isinstance(model, ModelParams) else None
     tuning = Tuning.of_config(config, stage, world_size)
     if params is None:
         params = ModelParams.of_module(model, tuning.unit_classes)
     bufs = buffers(params, stage, world_size, tuning)
     wide = fp32_grad_shard(stage, precision, tuning)
+    frozen = frozen_state(frozen_buffers(params, stage, world_size, tuning.persistence_threshold), world_size,
+                          offload_params)
     if not (offload_optimizer or offload_params):
-        return model_state_bytes(stage, world_size, bufs.total, precision, bufs.kept, wide)
-    split = offloaded_state_bytes(stage, world_size, bufs.total, precision, offload_optimizer, offload_params,
-                                  wide, bufs.kept)
-    whole = {k: split[f"host_{k}"] + split[f"device_{k}"] for k in ("params", "grads", "optimizer")}
+        state = model_state_bytes(stage, world_size, bufs.total, precision, bufs.kept, wide)
+        return {**state, "frozen": frozen["frozen"], "total": sum(state.values()) + frozen["frozen"]}
+    split = {**offloaded_state_bytes(stage, world_size, bufs.total, precision, offload_optimizer, offload_params,
+                                     wide, bufs.kept), **frozen}
+    for place in ("host", "device"):
+        split[f"{place}_total"] = sum(split[f"{place}_{k}"] for k in ("params", "grads", "optimizer", "frozen"))
+    whole = {k: split[f"host_{k}"] + split[f"device_{k}"] for k in ("params", "grads", "optimizer", "frozen", "total")}
     return {**whole, **split}
 
 
@@ -195,4 +176,4 @@ def estimated_buffers(elements, stage, layers: Optional[int], tuning):
         return Buffers(tuple([tuning.reduce_bucket_size] * full + ([rest] if rest else [])))
     if not layers:
         return None
-    return Buffers(tuple([elements // layers] * layers), (False,) * layers)
+    return Buffers(tuple([elements // layers] * layers), (False,) * layers, units=tuple(map(str, range(layers))))

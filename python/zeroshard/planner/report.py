@@ -19,8 +19,18 @@ def _table(header, rows):
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
+def _state_columns(model):
+    """The model-state columns: the trained parameters' as "params", or, where some are frozen,
+    the frozen parameters' and the trained ones' apart."""
+    if model.frozen:
+        return ["frozen", "trained", "grads", "optimizer"], STATES
+    return ["params", "grads", "optimizer"], STATES[1:]
+
+
 def _preamble(model, precision, args):
     lines = [f"zeroshard plan: {model.numel:,} parameters ({model.description}), {precision}"]
+    if model.frozen:
+        lines.append(f"  {model.trained:,} trained ({model.trained / model.numel:.2%}), {model.frozen:,} frozen")
     lines += [f"  {note}" for note in model.notes]
     if model.shape is not None:
         s = model.shape
@@ -30,11 +40,15 @@ def _preamble(model, precision, args):
     return lines
 
 
-def _footer(plans, link):
+def _footer(model, plans, link):
     cards = plans[0]["cards"]
     lines = ["GB = 1e9 bytes, per card. model states: parameters + gradients + optimizer state (with the fp32 "
              "master), exactly memory_stats()'s for a known layout; transient: stage 3's gathered units, "
              "gradient staging, the fp32 copy of one gradient shard; total = model states + transient + activations.",
+             *(["frozen: the frozen parameters, in their own dtype, whole on every card below stage 3 and "
+                "sharded with their unit at stage 3, where each step also gathers them for each micro-batch's "
+                "forward and backward (never reduced); trained: the trained parameters in the compute dtype (their "
+                "fp32 master is optimizer state)."] if model.frozen else []),
              f"fits: headroom of at least {TIGHT:.0%} of the card (CUDA context, allocator fragmentation and NCCL "
              "buffers are not counted); tight: under that; no: over the card.",
              f"Order: {ORDER}."]
@@ -56,11 +70,12 @@ def text_report(model, precision, args, plans, link):
         plan = plans[0]
         memory = plan["gpu_memory"]
         lines.append(f"{plan['gpus']} cards of {memory / GB:g} GB:")
-        header = ["setup", "params", "grads", "optimizer", "model states", "activations", "transient", "total",
+        names, states = _state_columns(model)
+        header = ["setup", *names, "model states", "activations", "transient", "total",
                   "headroom", "fit", "host", "traffic GB/step"] + (["comm s/step"] if link else [])
         rows = []
         for c in plan["cards"]:
-            rows.append([c.name, *(gb(c.device[k]) for k in STATES), gb(c.model_states),
+            rows.append([c.name, *(gb(c.device[k]) for k in states), gb(c.model_states),
                          "-" if c.activations is None else gb(c.activations), gb(sum(c.transient.values())),
                          gb(c.total), gb(c.headroom(memory)), c.fit(memory), gb(sum(c.host.values())),
                          gb(c.traffic["intra"] + c.traffic["inter"])] + ([f"{c.comm_seconds:.2f}"] if link else []))
@@ -72,16 +87,19 @@ def text_report(model, precision, args, plans, link):
                      "Nothing fits: more cards, larger cards, --offload, or --activation-checkpointing.")
     else:
         offload = any(sum(c.host.values()) for p in plans for c in p["cards"])
-        header = (["setup", "cards", "model states", "total"] + (["host, all cards"] if offload else [])
+        # Where some parameters are frozen, what each state costs decides more than the sum does.
+        names, states = _state_columns(model) if model.frozen else ([], ())
+        header = (["setup", "cards", *names, "model states", "total"] + (["host, all cards"] if offload else [])
                   + [f"{m / GB:g} GB" for m in memories])
         rows = []
         for gpus in sorted({p["gpus"] for p in plans}):
             by_memory = {p["gpu_memory"]: p for p in plans if p["gpus"] == gpus}
             for c in by_memory[memories[0]]["cards"]:
                 host = [gb(gpus * sum(c.host.values()))] if offload else []
-                rows.append([c.name, gpus, gb(c.model_states), gb(c.total)] + host + [c.fit(m) for m in memories])
+                rows.append([c.name, gpus, *(gb(c.device[k]) for k in states), gb(c.model_states), gb(c.total)]
+                            + host + [c.fit(m) for m in memories])
         lines.append(_table(header, rows))
-    return "\n".join(lines + [""] + _footer(plans, link))
+    return "\n".join(lines + [""] + _footer(model, plans, link))
 
 
 def _card_json(c, memory):
@@ -95,7 +113,8 @@ def _card_json(c, memory):
 
 def json_report(model, precision, args, plans, link):
     return {
-        "model": {"description": model.description, "parameters": model.numel, "notes": list(model.notes),
+        "model": {"description": model.description, "parameters": model.numel, "trained": model.trained,
+                  "frozen": model.frozen, "notes": list(model.notes),
                   "shape": None if model.shape is None else vars(model.shape)},
         "precision": precision, "seq": args.seq, "micro_batch": args.micro_batch,
         "activation_checkpointing": args.activation_checkpointing,

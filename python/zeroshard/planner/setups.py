@@ -2,9 +2,13 @@
 cards of some memory: model states, activations, transients, total, whether it fits, and the
 step's traffic; the setups in order, cheapest first.
 
+Model states: the trained parameters' (params, grads, optimizer) and the frozen parameters'
+(planner.frozen), on the card and in host memory.
+
 Transients (engine.memory_stats()'s peaks, not in its total):
 - stage 3's gathered units: the root unit (gathered from its forward to its backward) plus the
-  unit in use and the one prefetched (two of the largest block), in the compute dtype;
+  unit in use and the one prefetched (two of the largest block), trained parameters in the
+  compute dtype and frozen ones in theirs;
 - the gradient staging buffers of stages 2-3, in the compute dtype: the largest bucket with
   overlap_comm off, else the max_inflight_reductions + 1 largest (unset, overlap_comm is on for
   GPU gradients, which the cards planned for hold); at stage 3 also the root and
@@ -17,18 +21,21 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from zeroshard.planner import activations as act
+from zeroshard.planner.frozen import estimated_frozen, frozen_buffers, frozen_state
 from zeroshard.planner.layout import Tuning, buffers, estimated_buffers, fp32_grad_shard
+from zeroshard.planner.model_params import ROOT
 from zeroshard.planner.state_bytes import ELEMENT_BYTES, model_state_bytes, offloaded_state_bytes
 from zeroshard.planner.traffic import ring_seconds, step_traffic
 
-STATES = ("params", "grads", "optimizer")
+STATES = ("frozen", "params", "grads", "optimizer")  # frozen: the frozen parameters'; the rest the trained ones'
 TIGHT = 0.10  # headroom under this share of the card: CUDA context, allocator and NCCL buffers need it
 
 
 @dataclass(frozen=True)
 class ModelSource:
     """The model the plan is for: its parameter count, and as much of its structure as is known
-    (ModelParams: exact buffers; TransformerShape: activations; layers: estimated stage-3 units)."""
+    (ModelParams: exact buffers; TransformerShape: activations; layers: estimated stage-3 units).
+    frozen_numel: of a count alone (--params), the elements frozen, in the compute dtype."""
 
     description: str
     numel: int
@@ -36,6 +43,16 @@ class ModelSource:
     shape: Optional[object] = None
     layers: Optional[int] = None
     notes: tuple = ()
+    frozen_numel: int = 0
+
+    @property
+    def frozen(self):
+        """Elements of the frozen parameters."""
+        return self.params.frozen_numel if self.params is not None else self.frozen_numel
+
+    @property
+    def trained(self):
+        return self.numel - self.frozen
 
 
 @dataclass(frozen=True)
@@ -99,25 +116,30 @@ def card(setup, model, gpus, precision, config=None, seq=2048, micro_batch=1, ch
     stage, group = setup.stage, setup.shard_group or gpus
     replicas = gpus // group
     tuning = Tuning.of_config(config, stage, gpus)
+    compute = ELEMENT_BYTES[precision]["params"]
     if model.params is not None:
         bufs = buffers(model.params, stage, group, tuning)
+        frozen = frozen_buffers(model.params, stage, group, tuning.persistence_threshold)
     else:
-        bufs = estimated_buffers(model.numel, stage, model.layers, tuning)
-    elements = bufs.total if model.params is not None else model.numel
+        bufs = estimated_buffers(model.trained, stage, model.layers, tuning)
+        frozen = estimated_frozen(model.frozen, compute, stage, model.layers)
+    elements = bufs.total if model.params is not None else model.trained
     wide = fp32_grad_shard(stage, precision, tuning)
     kept = bufs.kept if bufs is not None else 0
-    host = dict.fromkeys(STATES, 0)
+    host = dict.fromkeys(STATES[1:], 0)
     if setup.offload_optimizer or setup.offload_params:
         split = offloaded_state_bytes(stage, group, elements, precision, setup.offload_optimizer,
                                       setup.offload_params, wide, kept)
-        device = {k: split[f"device_{k}"] for k in STATES}
-        host = {k: split[f"host_{k}"] for k in STATES}
+        device = {k: split[f"device_{k}"] for k in STATES[1:]}
+        host = {k: split[f"host_{k}"] for k in STATES[1:]}
     else:
         device = model_state_bytes(stage, group, elements, precision, kept, wide)
-    compute = ELEMENT_BYTES[precision]["params"]
+    frozen_bytes = frozen_state(frozen, group, setup.offload_params)
+    device = {"frozen": frozen_bytes["device_frozen"], **device}
+    host = {"frozen": frozen_bytes["host_frozen"], **host}
     reduce = 4 if tuning.reduce_in_fp32 else compute
     not_counted = []
-    transient = _transients(stage, bufs, group, compute, reduce, wide, tuning, not_counted)
+    transient = _transients(stage, bufs, frozen, group, compute, reduce, wide, tuning, not_counted)
     activations = None
     if model.shape is not None:
         activations = act.activation_bytes(model.shape, seq, micro_batch, precision, checkpointing)
@@ -125,23 +147,37 @@ def card(setup, model, gpus, precision, config=None, seq=2048, micro_batch=1, ch
         not_counted.append("activations (give --model config.json, or --hidden, --layers and --heads)")
     total = sum(device.values()) + sum(transient.values()) + (activations or 0)
     traffic = step_traffic(stage, bufs, elements, group, compute, reduce, tuning, replicas,
-                           4 if wide else compute, setup.offload_optimizer)
+                           4 if wide else compute, setup.offload_optimizer,
+                           frozen.gathers_per_micro_batch(tuning.reshard_after_forward))
     seconds = ring_seconds(traffic, group, replicas, bandwidth) if bandwidth else None
     return Card(setup, setup.name(gpus), device, host, activations, transient, total, traffic, not_counted,
                 seconds)
 
 
-def _transients(stage, bufs, group, compute, reduce, wide, tuning, not_counted):
+def _gathered(bufs, frozen, compute, tuning):
+    """Stage 3's gathered peak: the root unit, and the largest other unit (by bytes) twice when
+    it is prefetched (once where stage3_max_live_parameters, in elements, stops the prefetch)."""
+    units = {name: [compute * n, n] for name, n in zip(bufs.units, bufs.padded)}
+    for name, (nbytes, numel) in frozen.gathered().items():
+        unit = units.setdefault(name, [0, 0])
+        unit[0] += nbytes
+        unit[1] += numel
+    root = units.pop(ROOT, (0, 0))
+    largest = max(units.values(), default=(0, 0))
+    blocks = 2 if tuning.prefetch_bucket_size > 0 else 1
+    if root[1] + blocks * largest[1] > tuning.max_live_parameters:
+        blocks = 1
+    return root[0] + blocks * largest[0]
+
+
+def _transients(stage, bufs, frozen, group, compute, reduce, wide, tuning, not_counted):
     gathered = staging = fp32_grads = 0
     if bufs is None:
         not_counted.append("stage 3's gathered units, staging and fp32 gradient copy (give --layers, or "
                            "--model / --module for the units)")
         return {"gathered": 0, "staging": 0, "fp32_grads": 0}
     if stage == 3:
-        blocks = 2 if tuning.prefetch_bucket_size > 0 else 1
-        if bufs.root_numel + blocks * bufs.largest_block > tuning.max_live_parameters:
-            blocks = 1
-        gathered = compute * (bufs.root_numel + blocks * bufs.largest_block)
+        gathered = _gathered(bufs, frozen, compute, tuning)
     # Note [staging lifetime] (grad/grad_reducer.cpp): a buffer is staged from its first gradient
     # to its reduction's end, and up to max_inflight_reductions reductions run beside the one
     # being filled. Stage 3's root and kept units fill over the whole backward (the head's and the

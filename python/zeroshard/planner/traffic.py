@@ -8,6 +8,7 @@ every micro-batch (GΨ + Ψ); stage 3 per micro-batch all-gathers every unit for
 again every unit but the root for the backward (the root stays gathered), and reduce-scatters
 every unit (3Ψ less the root's backward gather), and after the step all-gathers the kept unit.
 All-gathers move the compute dtype, reductions the reduce dtype (fp32 with reduce_dtype "fp32").
+Stage 3 gathers each unit's frozen buffers with it, in their own dtype, and never reduces them.
 Hybrid sharding adds one all-reduce of each gradient shard across the groups per step.
 
 Time: a ring all-gather or reduce-scatter over n ranks sends (n-1)/n of its buffer from each
@@ -39,12 +40,14 @@ def parse_link(text):
 
 
 def step_traffic(stage, bufs, elements, shard_group, compute_bytes, reduce_bytes, tuning, replicas=1,
-                 grad_shard_bytes=None, offload=False):
+                 grad_shard_bytes=None, offload=False, frozen_gathers=0):
     """{"intra", "inter", "host"}: bytes per rank per step inside the shard group (of
     shard_group ranks), across the `replicas` groups (hybrid sharding), and between the card and
     the host (optimizer offload: the fp32 gradient shard down, the fp32 master shard back).
     bufs: layout.Buffers (None: stage-3 units unknown, counted as 3Ψ of `elements`);
-    grad_shard_bytes: the gradient shard's bytes per element, which the replicas all-reduce."""
+    grad_shard_bytes: the gradient shard's bytes per element, which the replicas all-reduce;
+    frozen_gathers: stage 3's bytes of frozen buffers gathered per micro-batch
+    (FrozenBuffers.gathers_per_micro_batch)."""
     steps = tuning.accumulation_steps
     total = bufs.total if bufs is not None else elements
     if stage == 0:
@@ -58,7 +61,7 @@ def step_traffic(stage, bufs, elements, shard_group, compute_bytes, reduce_bytes
         backward = released - (bufs.root_numel if bufs is not None else 0)
         kept = bufs.kept if bufs is not None else 0
         per_micro = compute_bytes * (released + (backward if tuning.reshard_after_forward else 0))
-        intra = steps * (per_micro + reduce_bytes * (released + kept)) + compute_bytes * kept
+        intra = steps * (per_micro + frozen_gathers + reduce_bytes * (released + kept)) + compute_bytes * kept
     shard = total // shard_group
     inter = 2 * (grad_shard_bytes or reduce_bytes) * shard if replicas > 1 else 0
     host = 8 * shard if offload else 0

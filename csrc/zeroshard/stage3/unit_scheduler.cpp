@@ -296,14 +296,18 @@ void UnitScheduler::preForward(UnitIndex unit) {
 
 void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs) {
   const size_t u = unit.value;
-  if (recording_ && c10::GradMode::is_enabled()) postOrder_.push_back(u);
+  bool hooked = false;
   if (c10::GradMode::is_enabled()) {
     for (const auto& out : outputs) {
       if (out.defined() && out.requires_grad()) {
         out.register_hook([this, u](const at::TensorBase&) { preBackward(UnitIndex{u}); });
+        hooked = true;
       }
     }
   }
+  // A unit whose outputs need no gradient (frozen, below every trained parameter) has no
+  // backward: backward prefetch passes it by.
+  if (recording_ && c10::GradMode::is_enabled() && hooked) postOrder_.push_back(u);
   if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) {
     reshard(u, /*keepSecondary=*/c10::GradMode::is_enabled());
   }

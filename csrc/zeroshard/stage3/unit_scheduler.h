@@ -190,7 +190,7 @@ class UnitScheduler final : public ParamStorage {
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;
   std::vector<size_t> order_;      // the units in the order their forwards started (first step)
-  std::vector<size_t> postOrder_;  // ... and in the order their forwards finished
+  std::vector<size_t> postOrder_;  // ... and those with a backward in the order their forwards finished
   bool gatherStream_;
   std::optional<c10::Stream> sideStream_;  // the gather stream, made at the first prefetch on a GPU
   std::optional<c10::Event> passStart_;    // recorded on the compute stream at each pass's start

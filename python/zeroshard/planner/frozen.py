@@ -9,8 +9,10 @@ them (docs/planner.md, "Frozen parameters"):
   (FlatLayout), of which each rank holds its shard; the others stay whole on every rank. With
   offload_param the shards are in host memory;
 - gathered with their unit: for its forward, and again for its backward where the unit is
-  resharded after its forward (every unit but the root, unless reshard_after_forward is off),
-  so they are in gathered_peak and in the all-gathers' traffic; never reduced.
+  resharded after its forward (every unit but the root, unless reshard_after_forward is off)
+  and has a backward: a unit of frozen parameters only, below every trained one (the lower
+  layers frozen, the embedding too), computes no gradient and is not gathered again. So they
+  are in gathered_peak and in the all-gathers' traffic; never reduced.
 memory_stats() reports their bytes as "frozen" (host_frozen, device_frozen), in its total.
 """
 
@@ -28,6 +30,7 @@ class FrozenBuffers:
 
     units: tuple = ()
     whole: int = 0
+    no_backward: frozenset = frozenset()  # units whose outputs need no gradient
 
     def shard_bytes(self, world_size):
         """Bytes of one rank's shards of the flat buffers (world_size: the shard group's)."""
@@ -42,7 +45,8 @@ class FrozenBuffers:
         """Bytes one rank all-gathers per micro-batch: every buffer for the forward, and again
         for the backward those of the units released after their forward."""
         forward = sum(n * size for _, _, groups in self.units for _, n, size in groups)
-        backward = sum(n * size for _, root, groups in self.units if not root for _, n, size in groups)
+        backward = sum(n * size for name, root, groups in self.units if not root and name not in self.no_backward
+                       for _, n, size in groups)
         return forward + (backward if reshard_after_forward else 0)
 
 
@@ -53,6 +57,16 @@ def frozen_buffers(model, stage, world_size, persistence_threshold):
     if stage < 3:
         return FrozenBuffers(whole=sum(numel[f.name] * f.itemsize for f in model.frozen))
     units, whole = [], 0
+    # A unit's outputs need a gradient once it or a unit before it trains a parameter, or the
+    # model's first parameter (its embedding) is trained.
+    trained = {n for n, _ in model.trained}
+    grad_flows = bool(model.params) and model.params[0][0] in trained
+    no_backward = set()
+    for unit, names in model.units:
+        if unit != ROOT:
+            grad_flows = grad_flows or any(n in trained for n in names)
+            if not grad_flows:
+                no_backward.add(unit)
     for unit, names in model.units:
         groups = {}  # dtype -> [elements, bytes per element], in order of first appearance
         for name in (n for n in names if n in dtype):
@@ -64,7 +78,7 @@ def frozen_buffers(model, stage, world_size, persistence_threshold):
         if groups:
             padded = tuple((kind, padded_numel(n, world_size), size) for kind, (n, size) in groups.items())
             units.append((unit, unit == ROOT, padded))
-    return FrozenBuffers(tuple(units), whole)
+    return FrozenBuffers(tuple(units), whole, frozenset(no_backward))
 
 
 def estimated_frozen(elements, itemsize, stage, layers=None):

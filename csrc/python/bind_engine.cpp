@@ -246,7 +246,7 @@ void bindEngine(py::module_& m) {
              warnings.warnAtCaller();
              return taken;
            })
-      .def("plan", [](const Engine& e) { return e.plan().describe(); })
+      .def("plan", &Engine::describePlan)
       .def_property_readonly("stage", &Engine::stage)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)

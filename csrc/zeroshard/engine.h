@@ -154,6 +154,11 @@ class Engine {
   int stage() const { return static_cast<int>(plan_.stage()); }
   // What is sharded or replicated, over which ranks, and where (one line per state: plan().describe()).
   const ShardingPlan& plan() const { return plan_; }
+  // plan().describe(), and where the frozen parameters are when the model has some.
+  std::string describePlan() const {
+    return frozenBuckets_.empty() && frozenWhole_.empty() ? plan_.describe()
+                                                          : plan_.describe() + "\n" + plan_.describeFrozen();
+  }
   // The dtype parameters, gradients and gathers use: bf16 with bf16.enabled, else float32.
   at::ScalarType computeDtype() const { return computeDtype_; }
   int rank() const { return comm_.rank(); }

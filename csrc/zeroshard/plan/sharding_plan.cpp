@@ -121,4 +121,10 @@ std::string ShardingPlan::describe() const {
          describeState("gradients", grads_, shardGroupSize_, replicateGroupSize_, device_) + "\n" + optimizer;
 }
 
+// Frozen parameters follow the parameters (Note [frozen parameters] in stage3/unit_builder.cpp).
+std::string ShardingPlan::describeFrozen() const {
+  return describeState("frozen parameters", params_, shardGroupSize_, replicateGroupSize_, device_) +
+         (params_.sharded() ? " with their units" : "") + ", in their own dtype (no gradient, no optimizer state)";
+}
+
 }  // namespace zeroshard

@@ -92,6 +92,8 @@ class ShardingPlan {
   // One line per state: what, whether sharded or replicated, over which ranks, and where, e.g.
   //   "parameters: sharded over ranks 0-1 (2 shards, 1 copy each), on cpu"
   std::string describe() const;
+  // One more line for a model with frozen parameters (requires_grad=False): where they are.
+  std::string describeFrozen() const;
 
  private:
   ShardingPlan() = default;

@@ -158,7 +158,7 @@ Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vec
     addFrozenBuffers(out, buffers, std::move(frozenParams), std::move(frozenNames), rank, worldSize,
                      metaDevice);
     out.buffers.push_back(std::move(buffers));
-    out.policies.push_back(UnitPolicy{spec.root ? false : options.reshardAfterForward, false});
+    out.policies.push_back(UnitPolicy{spec.root ? false : options.reshardAfterForward, false, spec.root});
   }
   for (const auto& [name, p] : frozen) {
     TORCH_CHECK(placed.count(name), "zeroshard stage 3: frozen parameter '", name,

@@ -49,7 +49,8 @@ TEST_CASE("assignUnits puts a parameter of exactly one unit in it and shared or 
   // A unit whose parameters are all frozen is still there, empty.
   CHECK(specs[2].name == "blocks.2");
   CHECK(specs[2].paramNames.empty());
-  // The root is last; it holds the shared and the unowned ones, in model order; frozen: nowhere.
+  // The root is last; it holds the shared and the unowned ones, in model order (frozen ones: in
+  // frozenNames, test_frozen_units.cpp).
   CHECK(specs[3].name == "<root>");
   CHECK(specs[3].root);
   CHECK(specs[3].paramNames == std::vector<std::string>{"embed", "tied", "head"});

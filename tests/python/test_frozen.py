@@ -43,7 +43,7 @@ def _train(rank, world_size, stage, base_dtype, zero=None):
         after = _frozen_state(model)
         adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
     return dict(losses=losses, adapters=adapters, before=before, after=after, stats=engine.memory_stats(),
-                units=engine.stage3_units(), comm=engine.comm_stats(),
+                units=engine.stage3_units(), comm=engine.comm_stats(), plan=engine.plan(),
                 dtypes={n: p.dtype for n, p in model.named_parameters()},
                 sizes={n: p.numel() for n, p in model.named_parameters()})
 
@@ -129,6 +129,8 @@ def test_frozen_bytes_per_rank_are_the_formula(world_size, stage):
     assert stats["frozen"] == _frozen_formula(r, stage, world_size)
     assert stats["total"] == stats["params"] + stats["grads"] + stats["optimizer"] + stats["frozen"]
     assert stats["device_frozen"] == stats["frozen"] and stats["host_frozen"] == 0
+    frozen_line = r["plan"].splitlines()[-1]
+    assert frozen_line.startswith("frozen parameters: " + ("sharded" if stage == 3 else "replicated")), r["plan"]
     if stage == 3:
         listed = {n for unit in r["units"] for n in unit["frozen"]}
         assert listed == {n for n in r["before"] if r["sizes"][n] > PERSIST}

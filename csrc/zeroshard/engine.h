@@ -208,6 +208,9 @@ class Engine {
   // Stage 3 for C++ programs: runs `forward` as unit `unitSpec` (gathered before, released after,
   // gathered again for its backward). Below stage 3 it just runs `forward`.
   at::Tensor runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward);
+  // The same, given the unit's inputs: a unit holding frozen parameters is then released in
+  // backward as soon as its input gradients are computed, rather than at the end of the backward.
+  at::Tensor runUnit(size_t unitSpec, const std::vector<at::Tensor>& inputs, const std::function<at::Tensor()>& forward);
   // Stage 3: the units built, in UnitSpec order (empty below stage 3), and their names.
   const std::vector<UnitInfo>& stage3Units() const { return unitInfos_; }
   std::vector<std::string> unitNames() const;

@@ -35,6 +35,15 @@ at::Tensor Engine::runUnit(size_t unitSpec, const std::function<at::Tensor()>& f
   return out;
 }
 
+at::Tensor Engine::runUnit(size_t unitSpec, const std::vector<at::Tensor>& inputs,
+                           const std::function<at::Tensor()>& forward) {
+  if (!units_) return forward();
+  preForward(unitSpec, inputs);
+  at::Tensor out = forward();
+  postForward(unitSpec, {out});
+  return out;
+}
+
 void Engine::gatherParameters() {
   params_->gatherAll();
 }

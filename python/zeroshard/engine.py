@@ -141,10 +141,10 @@ class Engine:
                     return {}
                 return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         master = dict(self._core.master_weights())
-        if rank0_only and self._core.rank != 0:
-            return {}
         out = {}
         with self.gathered_parameters():  # stage 3's frozen parameters are sharded too
+            if rank0_only and self._core.rank != 0:
+                return {}
             for key, value in self.module.state_dict(keep_vars=True).items():
                 name = self._trained.get(id(value))
                 out[key] = master[name].to(dtype) if name is not None else value.detach().to("cpu", copy=True)

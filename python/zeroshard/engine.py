@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C, auto as _auto, meta as _meta, stage3
-from zeroshard import peft_adapter as _peft_adapter
+from zeroshard import peft_adapter as _peft_adapter, quantized as _quantized
 from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
 from zeroshard.lr_schedule import ConfigSchedule
@@ -335,6 +335,7 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
     if process_group is None:
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
     cfg = _auto.resolve(cfg, model, auto, dist.get_world_size(process_group), dist.get_rank(process_group))
+    _quantized.check_frozen_shardable(model, cfg)  # stage 3 refuses quantized frozen weights
     if lr_scheduler is not None and cfg.scheduler.enabled:
         warn_at_caller(f"zeroshard.initialize: the config's scheduler ({cfg.scheduler.type}) is not used: the "
                        "lr_scheduler passed to initialize replaces it, as in DeepSpeed")

@@ -261,11 +261,11 @@ def test_a_cli_error_exits_2_without_a_traceback():
     assert done.returncode == 2 and "Traceback" not in done.stderr and "argument --link" in done.stderr
 
 
-@pytest.mark.parametrize("params", ["8e9", "7e10"])
-def test_the_readme_tables_are_the_planners(capsys, params):
+@pytest.mark.parametrize("params, page", [("8e9", "README.md"), ("7e10", "docs/planner.md")])
+def test_the_documented_tables_are_the_planners(capsys, params, page):
     args = ["--params", params, "--gpus", "4,8", "--gpu-memory", "24GB,48GB,80GB,141GB", "--offload"]
     assert zeroshard_main(["plan", *args]) == 0
     table = "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("|"))
-    readme = (ROOT / "README.md").read_text()
-    assert f"python -m zeroshard plan {' '.join(args)}" in readme
-    assert table in readme, "README.md's 'Before you rent' table is not what the planner prints now"
+    text = (ROOT / page).read_text()
+    assert f"python -m zeroshard plan {' '.join(args)}" in text
+    assert table in text, f"{page}'s {params} table is not what the planner prints now"

@@ -185,7 +185,8 @@ void bindEngine(py::module_& m) {
          const std::vector<std::vector<at::Tensor>>& unitParams) {
         py::list out;
         for (const auto& spec : assignUnits(modelParams, names, unitParams)) {
-          out.append(py::dict("name"_a = spec.name, "params"_a = spec.paramNames, "root"_a = spec.root));
+          out.append(py::dict("name"_a = spec.name, "params"_a = spec.paramNames, "root"_a = spec.root,
+                              "frozen"_a = spec.frozenNames));
         }
         return out;
       },
@@ -194,14 +195,16 @@ void bindEngine(py::module_& m) {
   py::class_<Engine, HolderWithoutGil<Engine>> engine(m, "Engine");
   engine
       .def(py::init([](const py::list& groups, const std::string& groupName, const Config& config,
-                       const py::list& units, const std::string& initDevice, const py::list& initSteps) {
+                       const py::list& units, const std::string& initDevice, const py::list& initSteps,
+                       std::vector<std::pair<std::string, at::Tensor>> frozen) {
              auto specs = groupSpecs(groups);
              std::vector<UnitSpec> unitSpecs;
              for (const auto& item : units) {
                const auto unit = item.cast<py::dict>();
                unitSpecs.push_back(UnitSpec{unit["name"].cast<std::string>(),
-                                            unit["params"].cast<std::vector<std::string>>(),
-                                            unit["root"].cast<bool>()});
+                                            unit["params"].cast<std::vector<std::string>>(), unit["root"].cast<bool>(),
+                                            unit.contains("frozen") ? unit["frozen"].cast<std::vector<std::string>>()
+                                                                    : std::vector<std::string>{}});
              }
              MetaInit init{at::Device(initDevice), metaInitSteps(initSteps)};
              auto processGroup = c10d::resolve_process_group(groupName);
@@ -213,16 +216,19 @@ void bindEngine(py::module_& m) {
                // the last reference to a Python-owned tensor, so it must not be held here.
                py::gil_scoped_release noGil;
                built.reset(new Engine(std::move(specs), std::move(processGroup), config, std::move(unitSpecs),
-                                      std::move(init)));
+                                      std::move(init), std::move(frozen)));
              }
              warnings.warnAtCaller();
              return built;
            }),
            "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list(), "init_device"_a = "cpu",
-           "init_steps"_a = py::list(),
+           "init_steps"_a = py::list(), "frozen"_a = std::vector<std::pair<std::string, at::Tensor>>{},
            "init_device, init_steps: a model on the meta device (engine.h, MetaInit): steps are "
-           "(name, [parameter names], callable()), run in order.")
-      .def("pre_forward", &Engine::preForward, "unit"_a, py::call_guard<py::gil_scoped_release>())
+           "(name, [parameter names], callable()), run in order. frozen: the model's frozen parameters "
+           "[(name, tensor)], sharded with their units at stage 3.")
+      .def("pre_forward", &Engine::preForward, "unit"_a, "inputs"_a = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast_module_state", &Engine::broadcastModuleState, py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &Engine::postForward, "unit"_a, "outputs"_a,
            py::call_guard<py::gil_scoped_release>())
       .def("gather_parameters", &Engine::gatherParameters, py::call_guard<py::gil_scoped_release>())
@@ -263,7 +269,8 @@ void bindEngine(py::module_& m) {
            [](const Engine& e) {
              const auto s = e.memoryStats();
              return py::dict("params"_a = s.paramBytes, "grads"_a = s.gradBytes,
-                             "optimizer"_a = s.optimizerBytes, "total"_a = s.totalBytes(),
+                             "optimizer"_a = s.optimizerBytes, "frozen"_a = s.frozenBytes, "total"_a = s.totalBytes(),
+                             "host_frozen"_a = s.hostFrozenBytes, "device_frozen"_a = s.deviceFrozenBytes(),
                              "gathered_peak"_a = s.gatheredPeakBytes, "secondary_peak"_a = s.secondaryPeakBytes,
                              "staging_peak"_a = s.stagingPeakBytes,
                              "fp32_grads_peak"_a = s.fp32GradsPeakBytes, "host_params"_a = s.hostParamBytes,
@@ -289,7 +296,7 @@ void bindEngine(py::module_& m) {
              for (const auto& u : e.stage3Units()) {
                units.append(py::dict("name"_a = u.name, "numel"_a = u.numel, "params"_a = u.params,
                                      "persistent"_a = u.persistent, "persistent_numel"_a = u.persistentNumel,
-                                     "root"_a = u.root));
+                                     "root"_a = u.root, "frozen"_a = u.frozen, "frozen_numel"_a = u.frozenNumel));
              }
              return units;
            })
@@ -302,19 +309,20 @@ void bindEngine(py::module_& m) {
            "keys"_a, "tensors"_a, "aliases"_a)
       .def("save_checkpoint",
            [](Engine& e, const std::string& dir, const std::string& tag, const py::bytes& clientState,
-              const std::string& rankError) {
+              const std::string& rankError, bool excludeFrozen) {
              std::string bytes = clientState;
              CollectedWarnings warnings;  // e.g. older checkpoints that could not be removed
              std::string path;
              {
                const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
                py::gil_scoped_release noGil;
-               path = e.saveCheckpoint(dir, tag, bytes, rankError);
+               path = e.saveCheckpoint(dir, tag, bytes, rankError, excludeFrozen);
              }
              warnings.warnAtCaller();
              return path;
            },
-           "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "")
+           "dir"_a, "tag"_a = "", "client_state"_a = py::bytes(), "rank_error"_a = "",
+           "exclude_frozen_parameters"_a = false)
       .def("load_checkpoint",
            [](Engine& e, const std::string& dir, const std::string& tag, const std::string& rankError,
               bool optimizerStates, const py::object& checkClientState, bool loadSchedulerStates) {

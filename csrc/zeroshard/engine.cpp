@@ -2,9 +2,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "zeroshard/comm/process_group.h"
@@ -74,7 +76,8 @@ bool onMeta(const std::vector<ParamGroupSpec>& groups) {
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-               Config config, std::vector<UnitSpec> units, MetaInit init)
+               Config config, std::vector<UnitSpec> units, MetaInit init,
+               std::vector<std::pair<std::string, at::Tensor>> frozen)
     : config_(withAutoResolved(std::move(config), groups, *processGroup)),
       comm_(std::move(processGroup), timeoutOf(config_)),
       plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(),
@@ -91,16 +94,21 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   const int shards = shardComm().worldSize();
   const std::optional<at::Device> metaDevice = onMeta(groups) ? std::optional(init.device) : std::nullopt;
   std::vector<UnitPolicy> policies;
+  std::vector<UnitBuffers> unitBuffers;
   if (plan_.paramsSharded()) {
     auto built = buildStage3Units(groups, std::move(units),
                                   {config_.zero.stage3ParamPersistenceThreshold, config_.extras.reshardAfterForward},
-                                  shardRank, shards, computeDtype_, metaDevice);
+                                  shardRank, shards, computeDtype_, metaDevice, frozen);
     buckets_ = std::move(built.buckets);
+    frozenBuckets_ = std::move(built.frozenBuckets);
+    frozenWhole_ = std::move(built.frozenWhole);
+    unitBuffers = std::move(built.buffers);
     policies = std::move(built.policies);
     specToUnit_ = std::move(built.unitOf);
     unitInfos_ = std::move(built.infos);
   } else {
     buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, shardRank, shards, computeDtype_, metaDevice);
+    frozenWhole_ = std::move(frozen);
   }
 
   if (metaDevice) {
@@ -116,6 +124,9 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     std::vector<CommHandle> handles;
     masters_.emplace(buckets_);
     for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(comm_.broadcast(masters_->of(buckets_[i], i), 0));
+    // Frozen buffers are whole until the scheduler keeps this rank's shard (frozenWhole_ are
+    // module state: broadcastModuleState()).
+    for (auto& b : frozenBuckets_) handles.push_back(comm_.broadcast(b.flatParams(), 0));
     for (auto& h : handles) h.wait();
     masters_->pushToParams(buckets_);
   }
@@ -124,7 +135,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   initSchedule();
   if (!metaDevice && plan_.optimizerSharded()) masters_->shard(buckets_, shardRank);
   if (plan_.paramsSharded()) {
-    auto units = std::make_unique<UnitScheduler>(buckets_, std::move(policies), shardComm(),
+    auto units = std::make_unique<UnitScheduler>(buckets_, frozenBuckets_, std::move(unitBuffers), std::move(policies),
+                                                 shardComm(),
                                                  config_.zero.stage3PrefetchBucketSize,
                                                  config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
                                                  plan_.pinParams(), secondaryGroup_ ? &*secondaryGroup_ : nullptr,
@@ -149,7 +161,12 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   }
   // Before the gradient hooks: pointing a parameter at a scratch tensor of another dtype resets
   // its gradient accumulator.
-  if (metaDevice) initFromMeta(init);
+  if (metaDevice) {
+    for (const auto& [name, p] : frozenWhole_) {
+      if (p.is_meta()) setTensorData(p, at::zeros(p.sizes(), p.options().device(init.device)));
+    }
+    initFromMeta(init);
+  }
   grads_ = GradStorage::forPlan(plan_, buckets_, shardRank,
                                 {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"},
                                 replicateGroup_ ? &*replicateGroup_ : nullptr);
@@ -162,7 +179,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   const bool gradsOnGpu = !buckets_.front().flatParams().device().is_cpu();
   reduction.overlap = config_.zero.overlapCommResolved(gradsOnGpu);
   reduction.maxInFlight = config_.extras.maxInflightReductions;
-  if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterGradReduce(UnitIndex{bucket}); };
+  if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterBucketReduce(bucket); };
   reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
   nonfiniteDeferred_ = defersNonfiniteCheck();
   resetStepStats();
@@ -347,6 +364,11 @@ MemoryStats Engine::memoryStats() const {
   stats.hostParamBytes = params_->hostBytes();
   stats.hostGradBytes = grads_->hostBytes();
   stats.hostOptimizerBytes = masters_->hostBytes();
+  for (const auto& [name, p] : frozenWhole_) stats.frozenBytes += static_cast<int64_t>(p.nbytes());
+  if (units_) {
+    stats.frozenBytes += units_->frozenBytes();
+    stats.hostFrozenBytes = units_->frozenHostBytes();
+  }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (!plan_.optimizerOnHost(b, buckets_.size())) continue;
     for (const auto& slot : slots_[b]) {
@@ -393,7 +415,25 @@ void Engine::setModuleState(ModuleState state) {
 }
 
 void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict) {
-  setModuleState(moduleStateOf(stateDict, buckets_));
+  setModuleState(moduleStateOf(stateDict, buckets_, frozenBuckets_, frozenWhole_));
+}
+
+void Engine::broadcastModuleState() {
+  const UncountedCollectives uncounted(comm_);
+  at::NoGradGuard noGrad;
+  std::vector<std::pair<at::Tensor, at::Tensor>> sent;  // (the module's tensor, what is broadcast)
+  std::vector<CommHandle> handles;
+  for (const auto& [name, t] : moduleState_.tensors) {
+    if (t.is_meta() || t.numel() == 0) continue;
+    at::Tensor data = t.detach();
+    at::Tensor buffer = data.is_contiguous() ? data : data.contiguous();
+    handles.push_back(comm_.broadcast(buffer, 0));
+    sent.emplace_back(data, buffer);
+  }
+  for (auto& h : handles) h.wait();
+  for (auto& [data, buffer] : sent) {
+    if (!buffer.is_same(data)) data.copy_(buffer);
+  }
 }
 
 } // namespace zeroshard

@@ -58,10 +58,16 @@ struct MemoryStats {
   int64_t paramBytes = 0;
   int64_t gradBytes = 0;
   int64_t optimizerBytes = 0;
+  // Frozen parameters (requires_grad=False, e.g. a LoRA base): whole below stage 3, this rank's
+  // shards at stage 3 (plus those at or under the persistence threshold, whole). No gradient,
+  // master or optimizer state goes with them.
+  int64_t frozenBytes = 0;
   int64_t hostParamBytes = 0;
   int64_t hostGradBytes = 0;
   int64_t hostOptimizerBytes = 0;
-  int64_t hostTotalBytes() const { return hostParamBytes + hostGradBytes + hostOptimizerBytes; }
+  int64_t hostFrozenBytes = 0;
+  int64_t hostTotalBytes() const { return hostParamBytes + hostGradBytes + hostOptimizerBytes + hostFrozenBytes; }
+  int64_t deviceFrozenBytes() const { return frozenBytes - hostFrozenBytes; }
   int64_t deviceParamBytes() const { return paramBytes - hostParamBytes; }
   int64_t deviceGradBytes() const { return gradBytes - hostGradBytes; }
   int64_t deviceOptimizerBytes() const { return optimizerBytes - hostOptimizerBytes; }
@@ -80,7 +86,7 @@ struct MemoryStats {
   // 16-bit training: the most bytes of fp32 copies of gradient shards alive at once during the
   // last optimizer step (one shard's worth: they are made one at a time). Not in the total.
   int64_t fp32GradsPeakBytes = 0;
-  int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes; }
+  int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes + frozenBytes; }
 };
 
 // A model built on the meta device (its parameters have shapes but no values, e.g. built under
@@ -110,8 +116,12 @@ class Engine {
  public:
   // `units` is used at stage 3 only; empty means one root unit holding every parameter.
   // `init`: the parameters are on the meta device (all of them, or none); ignored otherwise.
+  // `frozen`: the model's frozen parameters (requires_grad=False), each once under its first
+  // name: sharded with their units at stage 3 (Note [frozen parameters] in
+  // stage3/unit_builder.cpp), whole below it; every rank takes rank 0's values.
   Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
-         Config config, std::vector<UnitSpec> units = {}, MetaInit init = {});
+         Config config, std::vector<UnitSpec> units = {}, MetaInit init = {},
+         std::vector<std::pair<std::string, at::Tensor>> frozen = {});
   // Every trainable parameter of `model` in one group (defined in engine_module.cpp). At stage 3,
   // `unitModules` names the submodules that are units (e.g. {"blocks.0", "blocks.1"}); unit i is
   // then run through runUnit(i, ...), and the whole forward through runUnit(unitModules.size(),
@@ -185,8 +195,10 @@ class Engine {
   std::vector<std::pair<std::string, at::Tensor>> masterWeights();
 
   // Stage 3 module hooks, by index into the UnitSpec list (units with no parameter of their own
-  // are no-ops). postForward registers pre-backward hooks on the outputs.
-  void preForward(size_t unitSpec);
+  // are no-ops). postForward registers pre-backward hooks on the outputs. `inputs`: the unit's
+  // forward inputs, which tell when its backward is done (a unit with frozen parameters is
+  // released then; without them, at the end of the backward: UnitScheduler::watchInputs).
+  void preForward(size_t unitSpec, const std::optional<std::vector<at::Tensor>>& inputs = std::nullopt);
   void postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs);
   // Stage 3 for C++ programs: runs `forward` as unit `unitSpec` (gathered before, released after,
   // gathered again for its backward). Below stage 3 it just runs `forward`.
@@ -220,8 +232,14 @@ class Engine {
   void setModuleState(ModuleState state);
   // The same from the model's state dict, every name in order (moduleStateOf).
   void setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict);
+  // Every rank takes rank 0's module state (buffers, frozen parameters kept whole), as it took
+  // rank 0's parameters at construction: a model loaded on rank 0 only trains from the same
+  // values everywhere. Collective and blocking, uncounted; once, after setModuleState.
+  void broadcastModuleState();
+  // excludeFrozen (DeepSpeed's exclude_frozen_parameters): the frozen parameters are not saved,
+  // e.g. a LoRA run's base; loading such a checkpoint keeps the ones the engine has.
   std::string saveCheckpoint(const std::string& dir, const std::string& tag = "", const std::string& clientState = "",
-                             const std::string& rankError = "");
+                             const std::string& rankError = "", bool excludeFrozen = false);
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
                                   const LoadOptions& options = {});
   // Checkpoints on a clock (zeroshard.checkpoint.every_minutes and .dir, engine_clock.cpp):
@@ -341,6 +359,10 @@ class Engine {
   int64_t skippedSteps_ = 0;
   BatchSizes batchSizes_;
   std::vector<Bucket> buckets_;
+  // Frozen parameters: their flat buffers at stage 3 (one per unit and dtype), and those kept
+  // whole (every one below stage 3; at stage 3 those at or under the persistence threshold).
+  std::vector<Bucket> frozenBuckets_;
+  std::vector<std::pair<std::string, at::Tensor>> frozenWhole_;
   std::optional<MasterWeights> masters_;  // built with the buckets
   ShardedAdamW optimizer_;
   std::unique_ptr<GradStorage> grads_;  // before reducer_, which drives it

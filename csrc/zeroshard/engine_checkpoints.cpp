@@ -34,10 +34,22 @@ bool hasCpuBackend(c10d::ProcessGroup& group) {
 } // namespace
 
 CheckpointedState Engine::checkpointedState() {
+  // Stage 3: a frozen bucket is whole while its unit is (gathered for the call unless it was).
+  auto withFrozenWhole = [this](size_t frozenBucket, const std::function<void()>& use) {
+    const auto unit = units_->unitOfFrozen(frozenBucket);
+    const bool gathered = units_->gatherUnit(unit);
+    try {
+      use();
+    } catch (...) {
+      if (gathered) units_->releaseUnit(unit);
+      throw;
+    }
+    if (gathered) units_->releaseUnit(unit);
+  };
   return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
-          optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, batchSizes_.accumulationSteps, microSteps_,
-          skippedSteps_, schedule_ ? &*schedule_ : nullptr, shardComm().rank(), shardComm().worldSize(),
-          batchSizes_};
+          optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, frozenBuckets_, withFrozenWhole,
+          batchSizes_.accumulationSteps, microSteps_, skippedSteps_, schedule_ ? &*schedule_ : nullptr,
+          shardComm().rank(), shardComm().worldSize(), batchSizes_};
 }
 
 void Engine::checkBetweenSteps(const char* call) const {
@@ -47,10 +59,11 @@ void Engine::checkBetweenSteps(const char* call) const {
 }
 
 std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
-                                   const std::string& rankError) {
+                                   const std::string& rankError, bool excludeFrozen) {
   checkBetweenSteps("save_checkpoint()");
   settleLastStep("at save_checkpoint()");  // the step count, skipped steps and schedule it saves
-  auto path = zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError);
+  const UncountedCollectives uncountedShards(shardComm());
+  auto path = zeroshard::saveCheckpoint(checkpointedState(), dir, tag, clientState, rankError, excludeFrozen);
   lastSaveMinutes_ = clock_();  // the clock (checkpointDue) counts from the last save
   return path;
 }

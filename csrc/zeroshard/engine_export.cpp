@@ -50,7 +50,15 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
     return false;
   }
   const ModelFileFormat format = modelFileFormatOf(filename);
-  const ModelExportPlan exported = planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options);
+  // Stage 3: the unit that must be gathered for a tensor (-1: module state, always whole).
+  const auto unitOf = [this](const ExportSource& source) -> int64_t {
+    if (!units_) return -1;
+    if (source.bucket) return static_cast<int64_t>(units_->unitOfBucket(*source.bucket).value);
+    if (source.frozenBucket) return static_cast<int64_t>(units_->unitOfFrozen(*source.frozenBucket).value);
+    return -1;
+  };
+  const ModelExportPlan exported = planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options,
+                                                   frozenBuckets_, unitOf);
   const UncountedCollectives uncounted(comm_);
   const UncountedCollectives uncountedShards(shardComm());
   const bool writes = comm_.rank() == 0;
@@ -81,15 +89,15 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
     });
     size_t i = 0;
     while (i < exported.tensors.size()) {
-      // The run of tensors whole together: one bucket's at stage 3, everything below it.
-      const auto bucket = exported.sources[i].bucket;
+      // The run of tensors whole together: one unit's at stage 3, everything below it.
+      const int64_t unit = unitOf(exported.sources[i]);
       size_t end = i + 1;
       if (units_) {
-        while (end < exported.tensors.size() && exported.sources[end].bucket == bucket) ++end;
+        while (end < exported.tensors.size() && unitOf(exported.sources[end]) == unit) ++end;
       } else {
         end = exported.tensors.size();
       }
-      const bool gathered = units_ && bucket && units_->gatherUnit(UnitIndex{*bucket});
+      const bool gathered = unit >= 0 && units_->gatherUnit(UnitIndex{static_cast<size_t>(unit)});
       if (units_) result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, units_->gatheredBytes());
       if (writes && writeError.empty()) {
         try {
@@ -101,6 +109,10 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
               const at::Tensor value = b.flatParams().narrow(0, place.offset, place.numel);
               writer->write(value.view(place.shape));
               progress.advance(static_cast<int64_t>(value.nbytes()));
+            } else if (source.frozenBucket) {
+              const at::Tensor value = frozenBuckets_[*source.frozenBucket].params()[source.param].detach();
+              writer->write(value);
+              progress.advance(static_cast<int64_t>(value.nbytes()));
             } else {
               const at::Tensor& value = moduleState_.tensors[source.moduleTensor].second;
               writer->write(value.detach());
@@ -111,7 +123,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
           writeError = describeError(e);
         }
       }
-      if (gathered) units_->releaseUnit(UnitIndex{*bucket});
+      if (gathered) units_->releaseUnit(UnitIndex{static_cast<size_t>(unit)});
       i = end;
     }
     agreeAcrossRanks(comm_, device, what, outcome, [&] {

@@ -25,6 +25,7 @@ namespace {
 struct ParamAt {
   size_t bucket;
   size_t index;
+  bool frozen = false;  // a frozen bucket's (stage 3), written into this rank's shard
 };
 
 // The default generators a step may draw from: the CPU's, and the device's when it is another.
@@ -70,6 +71,9 @@ int64_t bitsOf(double value) {
 // bumps that parameter's version counter, and the step is run again from the same generator
 // state with the parameter whole too (nn.MultiheadAttention's reset_parameters zeroes its
 // out_proj's bias, for instance).
+//
+// Stage 3's frozen parameters take the same path into their shard (Bucket::writeShardOf), in
+// their own dtype; those kept whole are written in place by the steps, as buffers are.
 void Engine::initFromMeta(const MetaInit& init) {
   std::unordered_map<std::string, ParamAt> where;
   std::vector<std::pair<std::string, ParamAt>> all;
@@ -80,7 +84,19 @@ void Engine::initFromMeta(const MetaInit& init) {
       all.emplace_back(params[i].name, ParamAt{b, i});
     }
   }
-  const auto paramOf = [&](const ParamAt& place) { return buckets_[place.bucket].params()[place.index]; };
+  for (size_t b = 0; b < frozenBuckets_.size(); ++b) {
+    const auto& params = frozenBuckets_[b].layout().params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      where.emplace(params[i].name, ParamAt{b, i, true});
+      all.emplace_back(params[i].name, ParamAt{b, i, true});
+    }
+  }
+  std::unordered_set<std::string> whole;
+  for (const auto& [name, p] : frozenWhole_) whole.insert(name);
+  const auto bucketOf = [&](const ParamAt& place) -> Bucket& {
+    return place.frozen ? frozenBuckets_[place.bucket] : buckets_[place.bucket];
+  };
+  const auto paramOf = [&](const ParamAt& place) { return bucketOf(place).params()[place.index]; };
   const auto pointAtMeta = [&](const ParamAt& place) {
     at::Tensor p = paramOf(place);
     setTensorData(p, at::empty(p.sizes(), p.options().dtype(at::kFloat).device(at::kMeta)));
@@ -102,12 +118,14 @@ void Engine::initFromMeta(const MetaInit& init) {
   std::string error;
   for (const auto& step : init.steps) {
     try {
-      std::vector<std::string> names = step.params;
+      std::vector<std::string> names;
       std::vector<ParamAt> places;
-      for (const auto& name : names) {
+      for (const auto& name : step.params) {
+        if (whole.count(name)) continue;  // a frozen parameter kept whole: written in place
         const auto it = where.find(name);
         TORCH_CHECK(it != where.end(), "step '", step.name, "' names '", name,
-                    "', which is not a trained parameter of this engine");
+                    "', which is not a parameter this engine holds");
+        names.push_back(name);
         places.push_back(it->second);
       }
       std::vector<std::pair<std::string, at::Tensor>> values;
@@ -139,7 +157,15 @@ void Engine::initFromMeta(const MetaInit& init) {
           places.push_back(where.at(name));
         }
       }
-      setParameters(values);
+      std::vector<std::pair<std::string, at::Tensor>> trainedValues;
+      for (size_t k = 0; k < names.size(); ++k) {
+        if (places[k].frozen) {
+          frozenBuckets_[places[k].bucket].writeShardOf(places[k].index, values[k].second);
+        } else {
+          trainedValues.push_back(values[k]);
+        }
+      }
+      setParameters(trainedValues);
       at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(init.device));
       for (const auto& [name, value] : values) {
         // Summed in fp32 (sum(kDouble) would make a float64 copy of the whole module first).
@@ -152,7 +178,7 @@ void Engine::initFromMeta(const MetaInit& init) {
       break;
     }
   }
-  for (const auto& [name, place] : all) buckets_[place.bucket].restoreParamView(place.index);
+  for (const auto& [name, place] : all) bucketOf(place).restoreParamView(place.index);
 
   // One rank's failure fails every rank, naming it, before anything else is compared.
   const auto errors = allGatherText(comm_, error, init.device);
@@ -161,7 +187,8 @@ void Engine::initFromMeta(const MetaInit& init) {
   }
   std::vector<std::string> unwritten;
   for (const auto& [name, place] : all) {
-    if (!written.count(name)) unwritten.push_back(name);
+    // Frozen parameters no step writes stay zero, as buffers do (load_pretrained fills a base).
+    if (!written.count(name) && !place.frozen) unwritten.push_back(name);
   }
   if (!unwritten.empty()) {
     std::ostringstream out;

@@ -22,6 +22,15 @@ std::vector<std::pair<std::string, at::Tensor>> uniqueParams(const torch::nn::Mo
   return out;
 }
 
+// The frozen parameters (requires_grad=False), each once under its first name.
+std::vector<std::pair<std::string, at::Tensor>> frozenParams(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& [name, p] : uniqueParams(model)) {
+    if (!p.requires_grad()) out.emplace_back(name, p);
+  }
+  return out;
+}
+
 std::vector<UnitSpec> unitSpecs(torch::nn::Module& model, const std::vector<std::string>& unitModules) {
   if (unitModules.empty()) return {};
   const auto modules = model.named_modules("", /*include_self=*/false);
@@ -78,14 +87,15 @@ MetaInit moduleSteps(torch::nn::Module& model, const Engine::ModuleInit& init, a
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules)
     : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
-             unitSpecs(model, unitModules)) {
+             unitSpecs(model, unitModules), {}, frozenParams(model)) {
   setModuleStateFrom(stateOf(model));
+  broadcastModuleState();
 }
 
 Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
                const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device)
     : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
-             unitSpecs(model, unitModules), moduleSteps(model, init, device)) {
+             unitSpecs(model, unitModules), moduleSteps(model, init, device), frozenParams(model)) {
   setModuleStateFrom(stateOf(model));
 }
 

@@ -35,7 +35,7 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
   PretrainedMatch match;
   agreeAcrossRanks(comm_, device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
     files = std::make_unique<PretrainedFiles>(path);
-    match = matchPretrained(*files, buckets_, moduleState_, renames);
+    match = matchPretrained(*files, buckets_, moduleState_, renames, frozenBuckets_);
     TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match, renames));
   });
 
@@ -44,6 +44,7 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
   auto found = [](const auto* source) { return source != nullptr; };
   for (const auto& bucket : match.params) sources += std::count_if(bucket.begin(), bucket.end(), found);
   sources += std::count_if(match.moduleState.begin(), match.moduleState.end(), found);
+  for (const auto& bucket : match.frozen) sources += std::count_if(bucket.begin(), bucket.end(), found);
   // Rank 0's share (Note [progress where a person watches]): the bytes are those it reads.
   Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(comm_.rank()));
   agreeAcrossRanks(
@@ -71,6 +72,23 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
             file.readFloat(*source->entry, range.begin - params[i].offset, range.numel(), value.data_ptr<float>());
             result.paramBytesRead += file.dataBytesRead() - before;
             targets.write(value.to(device), range);
+            progress.advance(file.dataBytesRead() - before);
+          }
+        }
+        // Stage 3's frozen parameters: the elements of this rank's shard of each, in its dtype.
+        for (size_t b = 0; b < frozenBuckets_.size(); ++b) {
+          const Bucket& bucket = frozenBuckets_[b];
+          const at::Tensor shard = bucket.paramShard();
+          for (const auto& piece : bucket.layout().piecesIn(bucket.layout().shardRange(shardComm().rank()))) {
+            const auto* source = match.frozen[b][piece.param];
+            if (source == nullptr) continue;
+            SafetensorsFile& file = files->file(source->file);
+            const int64_t before = file.dataBytesRead();
+            const int64_t n = piece.paramEnd - piece.paramBegin;
+            at::Tensor value = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+            file.readFloat(*source->entry, piece.paramBegin, n, value.data_ptr<float>());
+            shard.narrow(0, piece.shardOffset, n).copy_(value);
+            result.moduleStateBytesRead += file.dataBytesRead() - before;
             progress.advance(file.dataBytesRead() - before);
           }
         }

@@ -11,11 +11,13 @@ std::vector<std::string> Engine::unitNames() const {
   return names;
 }
 
-void Engine::preForward(size_t unitSpec) {
+void Engine::preForward(size_t unitSpec, const std::optional<std::vector<at::Tensor>>& inputs) {
   TORCH_CHECK(units_, "zeroshard: unit hooks are for stage 3; this engine runs stage ", stage());
   TORCH_CHECK(unitSpec < specToUnit_.size(), "zeroshard: unit ", unitSpec, " does not exist (",
               specToUnit_.size(), " units)");
-  if (specToUnit_[unitSpec]) units_->preForward(*specToUnit_[unitSpec]);
+  if (!specToUnit_[unitSpec]) return;
+  if (inputs) units_->watchInputs(*specToUnit_[unitSpec], *inputs);
+  units_->preForward(*specToUnit_[unitSpec]);
 }
 
 void Engine::postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs) {

@@ -145,9 +145,10 @@ class Engine:
         if rank0_only and self._core.rank != 0:
             return {}
         out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            name = self._trained.get(id(value))
-            out[key] = master[name].to(dtype) if name is not None else value.detach().to("cpu", copy=True)
+        with self.gathered_parameters():  # stage 3's frozen parameters are sharded too
+            for key, value in self.module.state_dict(keep_vars=True).items():
+                name = self._trained.get(id(value))
+                out[key] = master[name].to(dtype) if name is not None else value.detach().to("cpu", copy=True)
         return out
 
     def stage3_units(self):
@@ -164,8 +165,8 @@ class Engine:
         return self._core.plan()
 
     def memory_stats(self):
-        """Bytes of parameters, gradients and optimizer state this rank holds between steps
-        (params, grads, optimizer, total), and peaks of the last step that are not in the
+        """Bytes of parameters, gradients, optimizer state and frozen parameters this rank holds
+        between steps (params, grads, optimizer, frozen, total), and peaks of the last step that are not in the
         total: gathered_peak (stage 3's whole unit parameters), secondary_peak (hpZ's secondary
         shards), staging_peak (gradient staging buffers) and fp32_grads_peak (fp32 copies of
         16-bit gradient shards in the step). With offload, host_* and device_* split each state
@@ -181,8 +182,11 @@ class Engine:
         return self._core.comm_stats()
 
     @names_missing_ranks
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False):
         """Saves a sharded checkpoint to save_dir/tag (default tag: "global_step<N>").
+
+        exclude_frozen_parameters (DeepSpeed's): the frozen parameters (a LoRA base) are left
+        out; loading the checkpoint keeps the ones the model has (docs/checkpoints.md).
 
         Every rank calls it between optimizer steps; each writes its own shards in parallel.
         The checkpoint becomes visible (and `latest` points at it) only once complete, and
@@ -199,7 +203,8 @@ class Engine:
             except Exception as e:  # reported on every rank by the collective save
                 error = f"client_state cannot be saved: {type(e).__name__}: {e}"
         self._refresh_module_state()
-        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error)
+        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blob, error,
+                                          exclude_frozen_parameters=bool(exclude_frozen_parameters))
 
     @names_missing_ranks
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
@@ -348,10 +353,14 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
                          f"model's parameters are on {next(model.parameters()).device}: build it under "
                          "`with torch.device(\"meta\"):`, or initialise it yourself and leave init_fn out")
     groups = _param_groups(model, param_groups)
+    # Frozen parameters (requires_grad=False, e.g. a LoRA base) are sharded with their units at
+    # stage 3 and kept whole below it; every rank starts from rank 0's (engine.h).
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     meta_init = {}
     if meta:
         device = _meta.engine_device(process_group)
-        meta_init = dict(init_device=str(device), init_steps=_meta.init_steps(model, groups, device, init_fn))
+        steps = _meta.init_steps(model, groups, device, init_fn, frozen if cfg.params_sharded else None)
+        meta_init = dict(init_device=str(device), init_steps=steps)
     hooks = []
     if cfg.bf16_enabled or cfg.fp16_enabled:
         # The parameters become 16-bit; floating-point inputs are cast to match, as FSDP's
@@ -359,13 +368,16 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
         dtype = torch.bfloat16 if cfg.bf16_enabled else torch.float16
         hooks.append(model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
     if not cfg.params_sharded:
-        core = _C.Engine(groups, process_group.group_name, cfg, **meta_init)
+        core = _C.Engine(groups, process_group.group_name, cfg, frozen=frozen, **meta_init)
     else:
         units = stage3.find_units(model, cfg.zeroshard.stage3_unit_classes)
-        core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units), **meta_init)
+        core = _C.Engine(groups, process_group.group_name, cfg, stage3.unit_specs(model, units), frozen=frozen,
+                         **meta_init)
         hooks += stage3.install_hooks(core, model, units)
     trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
     core.set_module_state_from(list(model.state_dict(keep_vars=True).items()))
+    if not meta:
+        core.broadcast_module_state()  # buffers and whole frozen parameters, as rank 0 has them
     optimizer = EngineOptimizer(core, groups, cfg)
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
         if not callable(lr_scheduler):

@@ -38,18 +38,22 @@ def default_init_fn(model):
     return None
 
 
-def init_steps(model, groups, device, init_fn=None):
-    """(module name, its trained parameters' engine names, callable) per module holding state.
+def init_steps(model, groups, device, init_fn=None, frozen=None):
+    """(module name, its parameters' engine names, callable) per module holding state.
 
     Buffers and frozen parameters on the meta device first get zeroed storage on `device` (in
     place: the module keeps its tensors); the steps then fill them with the module's trained
-    parameters. A module with parameters but no way to initialise them (no reset_parameters, no
+    parameters. `frozen` (stage 3: [(name, parameter)]): the frozen parameters the engine shards;
+    they stay on the meta device (the engine allocates this rank's shards) and the steps name
+    them too. A module with parameters but no way to initialise them (no reset_parameters, no
     ancestor with one, no init_fn) is an error naming it."""
+    sharded = {id(p): n for n, p in frozen or ()}
     for t in _tensors(model):
-        if t.is_meta and not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+        if t.is_meta and not (isinstance(t, torch.nn.Parameter) and (t.requires_grad or id(t) in sharded)):
             _C._set_tensor_data(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
     init_fn = init_fn or default_init_fn(model)
     trained = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+    trained.update(sharded)
     steps, uninitialised, resetting = [], [], []
     for name, module in model.named_modules():
         params = [p for p in module._parameters.values() if p is not None]
@@ -64,7 +68,8 @@ def init_steps(model, groups, device, init_fn=None):
             resetting.append(name)
         else:
             # An ancestor's reset_parameters may write them (the engine then runs it with them).
-            if names and not any(name.startswith(a + ".") or not a for a in resetting):
+            if any(id(p) not in sharded for p in params if id(p) in trained) and \
+                    not any(name.startswith(a + ".") or not a for a in resetting):
                 uninitialised.append(f"'{name or '<model>'}' ({type(module).__name__})")
             continue
         steps.append((name or "<model>", names, run))

@@ -47,11 +47,15 @@ def _tensors(output):
 
 
 def install_hooks(core, model, units):
-    """Forward pre/post hooks on each unit and on the model (the root unit, index len(units))."""
+    """Forward pre/post hooks on each unit and on the model (the root unit, index len(units)).
+    The pre-hook passes the unit's inputs: a unit holding frozen parameters is released in
+    backward once their gradients are computed (stage3/unit_scheduler.cpp, Note [release after
+    backward])."""
     handles = []
     for index, module in enumerate([m for _, m in units] + [model]):
         handles.append(module.register_forward_pre_hook(
-            lambda _module, _args, index=index: core.pre_forward(index)))
+            lambda _module, args, kwargs, index=index: core.pre_forward(index, _tensors((args, kwargs))),
+            with_kwargs=True))
         handles.append(module.register_forward_hook(
             lambda _module, _args, output, index=index: core.post_forward(index, _tensors(output))))
     return handles

@@ -92,3 +92,50 @@ class StatefulTransformer(TinyTransformer):
 def make_stateful_model(seed=0):
     torch.manual_seed(seed)
     return StatefulTransformer()
+
+
+class LoraLinear(nn.Module):
+    """A frozen Linear with trained low-rank adapters, as peft's LoRA builds it:
+    base(x) + lora_B(lora_A(x)) * scale, lora_B starting at zero."""
+
+    def __init__(self, base, rank=4, scale=2.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.05)  # non-zero, so the adapters matter from step 0
+        self.scale = scale
+
+    def forward(self, x):
+        out = self.base(x)
+        a = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype)))
+        return (out + a * self.scale).to(out.dtype)
+
+
+class LoraTransformer(TinyTransformer):
+    """TinyTransformer as a LoRA fine-tune sees it: every weight of the base frozen (in
+    `base_dtype`), adapters on each block's up and down projections trained in fp32. The
+    output is fp32 whatever the base's dtype."""
+
+    def __init__(self, base_dtype=torch.float32, rank=4, **kwargs):
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            block.up = LoraLinear(block.up, rank)
+            block.down = LoraLinear(block.down, rank)
+        for name, p in self.named_parameters():
+            if "lora_" not in name:
+                p.requires_grad_(False)
+                p.data = p.data.to(base_dtype)
+        self.base_dtype = base_dtype
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return (self.head(x) + self.gate(x) * self.odd[: self.vocab].to(x.dtype)).float()
+
+
+def make_lora_model(seed=0, base_dtype=torch.float32, **kwargs):
+    torch.manual_seed(seed)
+    return LoraTransformer(base_dtype=base_dtype, **kwargs)

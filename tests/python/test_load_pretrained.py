@@ -135,6 +135,7 @@ def _load_case(group, stage, precision, path, file_key, persistence, build):
     loaded = engine.load_pretrained(path)
     out = {"loaded": loaded, "stats": engine.last_load_stats(),
            "units": [(u["numel"], u["persistent_numel"]) for u in engine.stage3_units()],
+           "frozen_units": [u["frozen_numel"] for u in engine.stage3_units()],
            "wrong": _differing(engine.full_state_dict(dtype=torch.float32), expected)}
     reference_model = make_stateful_model(2)
     reference_model.load_state_dict(expected)
@@ -282,10 +283,17 @@ def test_at_stage_3_each_rank_reads_exactly_its_slices(runs, world_size):
             for numel, persistent in units:
                 shard = padded_numel(numel, world_size) // world_size
                 held += max(0, min(numel, (rank + 1) * shard) - rank * shard) + persistent
+            # A frozen parameter over the threshold is sharded with its unit: this rank's slice.
+            frozen = state["frozen"]
+            frozen_held = frozen.numel() if not any(r[case]["frozen_units"]) else 0
+            for numel in r[case]["frozen_units"]:
+                shard = padded_numel(numel, world_size) // world_size
+                frozen_held += max(0, min(numel, (rank + 1) * shard) - rank * shard)
+            module_held = module_state - (frozen.numel() - frozen_held) * frozen.element_size()
             stats = r[case]["stats"]
             assert stats["param_bytes_read"] == held * element, (rank, case)
-            assert stats["module_state_bytes_read"] == module_state, (rank, case)
-            assert stats["bytes_read"] == (stats["param_bytes_read"] + module_state + stats["header_bytes_read"])
+            assert stats["module_state_bytes_read"] == module_held, (rank, case)
+            assert stats["bytes_read"] == (stats["param_bytes_read"] + module_held + stats["header_bytes_read"])
         persistent = sum(p for _, p in units) * element
         assert persistent > 0 if case[3] else persistent == 0
         # The ranks together read every parameter once (the persistent ones once each).

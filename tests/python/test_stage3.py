@@ -316,7 +316,8 @@ def test_stage3_units_lists_each_unit_with_its_persistent_parameters(runs):
         released = [(n, p) for n, p in params if p.numel() > threshold]
         expected.append({"name": name, "numel": sum(p.numel() for _, p in released),
                          "params": [n for n, _ in released], "persistent": [n for n, _ in kept],
-                         "persistent_numel": sum(p.numel() for _, p in kept), "root": module is None})
+                         "persistent_numel": sum(p.numel() for _, p in kept), "root": module is None,
+                         "frozen": [], "frozen_numel": 0})
     assert units == expected
     assert all(u["persistent"] for u in units), "the threshold keeps norms and biases of every unit"
     assert below == [], "below stage 3 there are no units"

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <map>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -81,8 +82,40 @@ FileDigest writeRankFile(const CheckpointedState& s, const std::string& dir, Pro
   return writer.finish(name);
 }
 
+// The module-state tensors a save writes, in the file's order: the whole ones, then the frozen
+// parameters sharded at stage 3, bucket by bucket (each bucket is gathered once to write them).
+// exclude_frozen_parameters leaves every frozen parameter out.
+struct SavedModuleState {
+  std::vector<size_t> whole;    // indices into ModuleState::tensors
+  std::vector<size_t> sharded;  // indices into ModuleState::sharded, by bucket
+  std::vector<TensorEntry> entries;
+};
+
+SavedModuleState savedModuleState(const CheckpointedState& s, bool excludeFrozen) {
+  SavedModuleState out;
+  const ModuleState& state = s.moduleState;
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    const auto& [name, t] = state.tensors[i];
+    if (excludeFrozen && state.isFrozen(name)) continue;
+    out.whole.push_back(i);
+    out.entries.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  if (!excludeFrozen) {
+    for (size_t i = 0; i < state.sharded.size(); ++i) out.sharded.push_back(i);
+    std::stable_sort(out.sharded.begin(), out.sharded.end(),
+                     [&](size_t a, size_t b) { return state.sharded[a].bucket < state.sharded[b].bucket; });
+    for (size_t i : out.sharded) {
+      const auto& entry = state.sharded[i];
+      const Bucket& bucket = s.frozenBuckets.at(entry.bucket);
+      out.entries.push_back({entry.name, bucket.flatParams().scalar_type(), bucket.layout().params()[entry.param].shape});
+    }
+  }
+  return out;
+}
+
 CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag, int64_t boundaries,
-                              const std::vector<std::string>& digestTexts) {
+                              const std::vector<std::string>& digestTexts, const SavedModuleState& saved,
+                              bool excludeFrozen) {
   CheckpointManifest m;
   m.tag = tag;
   m.worldSize = s.shardCount;
@@ -105,8 +138,11 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
     }
   }
   m.aliases = s.moduleState.aliases;
-  for (const auto& [name, t] : s.moduleState.tensors) m.moduleState.push_back({name, t.sizes().vec(), t.scalar_type()});
-  m.stateDictKeys = s.moduleState.keys;
+  for (const auto& e : saved.entries) m.moduleState.push_back({e.name, e.shape, e.dtype});
+  for (const auto& key : s.moduleState.keys) {
+    if (!(excludeFrozen && s.moduleState.isFrozen(key))) m.stateDictKeys.push_back(key);
+  }
+  m.frozenExcluded = excludeFrozen;
   for (const auto& text : digestTexts) {
     for (auto& d : digestsFromJson(text)) m.files.push_back(std::move(d));
   }
@@ -157,34 +193,80 @@ void checkCheckpointMatches(const CheckpointedState& s, const CheckpointManifest
               " (to take only the weights, load without optimizer states)");
   std::unordered_map<std::string, const SavedTensor*> savedState;
   for (const auto& t : m.moduleState) savedState[t.name] = &t;
-  for (const auto& [name, t] : s.moduleState.tensors) {
+  const auto check = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype) {
+    if (m.frozenExcluded && s.moduleState.isFrozen(name)) return;  // kept as this engine has it
     auto it = savedState.find(name);
     TORCH_CHECK(it != savedState.end(), "zeroshard: module state '", name, "' (a buffer or frozen parameter) is not in ",
                 where);
-    TORCH_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == t.scalar_type(),
-                "zeroshard: module state '", name, "' is ", dtypeName(t.scalar_type()), " ",
-                t.sizes(), " here but ", dtypeName(it->second->dtype), " ",
+    TORCH_CHECK(it->second->shape == shape && it->second->dtype == dtype, "zeroshard: module state '", name, "' is ",
+                dtypeName(dtype), " ", c10::IntArrayRef(shape), " here but ", dtypeName(it->second->dtype), " ",
                 c10::IntArrayRef(it->second->shape), " in ", where);
+  };
+  for (const auto& [name, t] : s.moduleState.tensors) check(name, t.sizes().vec(), t.scalar_type());
+  for (const auto& entry : s.moduleState.sharded) {
+    const Bucket& bucket = s.frozenBuckets.at(entry.bucket);
+    check(entry.name, bucket.layout().params()[entry.param].shape, bucket.flatParams().scalar_type());
   }
+}
+
+// This rank's shard of frozen bucket b from a checkpoint's module state, on CPU: each of its
+// parameters' element ranges read from the whole tensor saved under one of its names.
+at::Tensor readFrozenShard(const CheckpointedState& s, CheckpointReader& reader, size_t b) {
+  const Bucket& bucket = s.frozenBuckets[b];
+  const auto& layout = bucket.layout();
+  at::Tensor shard = at::zeros({layout.shardNumel()}, at::TensorOptions().dtype(bucket.flatParams().scalar_type()));
+  std::vector<const std::string*> nameOf(bucket.size(), nullptr);
+  for (const auto& entry : s.moduleState.sharded) {
+    if (entry.bucket == b && !nameOf[entry.param]) nameOf[entry.param] = &entry.name;
+  }
+  auto* out = static_cast<char*>(shard.data_ptr());
+  for (const auto& piece : layout.piecesIn(layout.shardRange(s.shardRank))) {
+    TORCH_CHECK(nameOf[piece.param], "zeroshard: frozen parameter '", layout.params()[piece.param].name,
+                "' has no state-dict name");
+    reader.readModuleStateElements(*nameOf[piece.param], piece.paramBegin, piece.paramEnd - piece.paramBegin,
+                                   out + piece.shardOffset * shard.element_size());
+  }
+  return shard;
 }
 
 } // namespace
 
+bool ModuleState::isFrozen(const std::string& name) const {
+  return std::find(frozen.begin(), frozen.end(), name) != frozen.end();
+}
+
 ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
-                          const std::vector<Bucket>& buckets) {
+                          const std::vector<Bucket>& buckets, const std::vector<Bucket>& frozenBuckets,
+                          const std::vector<std::pair<std::string, at::Tensor>>& frozenWhole) {
   std::unordered_map<const void*, const std::string*> trained;
   for (const auto& b : buckets) {
     for (size_t i = 0; i < b.size(); ++i) trained.emplace(b.params()[i].unsafeGetTensorImpl(), &b.layout().params()[i].name);
   }
+  std::unordered_map<const void*, std::pair<size_t, size_t>> sharded;
+  for (size_t b = 0; b < frozenBuckets.size(); ++b) {
+    for (size_t i = 0; i < frozenBuckets[b].size(); ++i) {
+      sharded.emplace(frozenBuckets[b].params()[i].unsafeGetTensorImpl(), std::make_pair(b, i));
+    }
+  }
+  std::unordered_set<const void*> whole;
+  for (const auto& [name, p] : frozenWhole) whole.insert(p.unsafeGetTensorImpl());
   ModuleState state;
   for (const auto& [key, tensor] : stateDict) {
     state.keys.push_back(key);
-    auto it = tensor.defined() ? trained.find(tensor.unsafeGetTensorImpl()) : trained.end();
-    if (it == trained.end()) {
-      state.tensors.emplace_back(key, tensor);
-    } else if (*it->second != key) {
-      state.aliases.emplace_back(key, *it->second);
+    const void* impl = tensor.defined() ? tensor.unsafeGetTensorImpl() : nullptr;
+    auto it = impl ? trained.find(impl) : trained.end();
+    if (it != trained.end()) {
+      if (*it->second != key) state.aliases.emplace_back(key, *it->second);
+      continue;
     }
+    auto frozen = impl ? sharded.find(impl) : sharded.end();
+    if (frozen != sharded.end()) {
+      state.sharded.push_back({key, frozen->second.first, frozen->second.second});
+      state.frozen.push_back(key);
+      continue;
+    }
+    state.tensors.emplace_back(key, tensor);
+    if (impl && whole.count(impl)) state.frozen.push_back(key);
   }
   return state;
 }
@@ -200,6 +282,10 @@ void checkModuleState(const ModuleState& state, const std::vector<Bucket>& bucke
     TORCH_CHECK(known.insert(name).second, "zeroshard: module state '", name,
                 "' is also a trained parameter or appears twice");
   }
+  for (const auto& entry : state.sharded) {
+    TORCH_CHECK(known.insert(entry.name).second, "zeroshard: frozen parameter '", entry.name,
+                "' is also a trained parameter or appears twice");
+  }
   for (const auto& [alias, target] : state.aliases) {
     TORCH_CHECK(trained.count(target), "zeroshard: state-dict name '", alias, "' refers to '", target,
                 "', which is not a trained parameter");
@@ -212,7 +298,7 @@ void checkModuleState(const ModuleState& state, const std::vector<Bucket>& bucke
 }
 
 std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const std::string& tagIn,
-                           const std::string& clientState, const std::string& rankError) {
+                           const std::string& clientState, const std::string& rankError, bool excludeFrozen) {
   const UncountedCollectives uncounted(s.comm);
   const int rank = s.comm.rank();
   const int64_t boundaries = s.microSteps / s.accumulationSteps;
@@ -222,10 +308,12 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
   const std::string what = "checkpoint: saving '" + checkpointPath(dir, tag) + "'";
   const std::string outcome = "nothing was published; the previous checkpoints and 'latest' are as they were";
   const auto device = deviceOf(s);
+  const SavedModuleState saved = savedModuleState(s, excludeFrozen);
   // Rank 0's share (Note [progress where a person watches]): its shard file, then the module state.
-  Progress progress("save '" + tag + "'",
-                    static_cast<int64_t>(kNumKinds * s.buckets.size() + s.moduleState.tensors.size()), "tensors",
-                    terminalProgress(rank));
+  Progress progress("save '" + tag + "'", static_cast<int64_t>(kNumKinds * s.buckets.size() + saved.entries.size()),
+                    "tensors", terminalProgress(rank));
+  std::optional<SafetensorsWriter> moduleWriter;
+  std::string writeError;  // rank 0's, while the frozen buckets are gathered (Note [streamed export])
 
   try {
     agreeAcrossRanks(s.comm, device, what, outcome, [&] {
@@ -237,26 +325,51 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
       // The first shard group's ranks hold every shard once (the other groups' are copies).
       if (rank < s.shardCount) digests.push_back(writeRankFile(s, staging, progress));
       if (rank != 0) return;
-      const auto& tensors = s.moduleState.tensors;
-      if (!tensors.empty()) {
-        std::vector<TensorEntry> entries;
-        for (const auto& [name, t] : tensors) entries.push_back({name, t.scalar_type(), t.sizes().vec()});
-        SafetensorsWriter writer((fs::path(staging) / kModuleStateFile).string(), std::move(entries), {{"format", "pt"}});
-        for (const auto& [name, t] : tensors) {
-          writer.write(t.detach());
+      if (!saved.entries.empty()) {
+        moduleWriter.emplace((fs::path(staging) / kModuleStateFile).string(), saved.entries,
+                             std::map<std::string, std::string>{{"format", "pt"}});
+        for (size_t i : saved.whole) {
+          const at::Tensor& t = s.moduleState.tensors[i].second;
+          moduleWriter->write(t.detach());
           progress.advance(static_cast<int64_t>(t.nbytes()));
         }
-        digests.push_back(writer.finish(kModuleStateFile));
       }
       if (!clientState.empty()) {
         digests.push_back(writeCheckedFile((fs::path(staging) / kClientStateFile).string(), kClientStateFile, clientState));
       }
     });
+    // Stage 3's sharded frozen parameters: every rank takes part in each bucket's gather, rank 0
+    // writes; a write error does not stop it taking part in the rest (the others would wait).
+    for (size_t k = 0; k < saved.sharded.size();) {
+      const size_t bucket = s.moduleState.sharded[saved.sharded[k]].bucket;
+      size_t end = k;
+      while (end < saved.sharded.size() && s.moduleState.sharded[saved.sharded[end]].bucket == bucket) ++end;
+      s.withFrozenWhole(bucket, [&] {
+        if (rank != 0 || !writeError.empty()) return;
+        try {
+          for (size_t i = k; i < end; ++i) {
+            const auto& entry = s.moduleState.sharded[saved.sharded[i]];
+            const at::Tensor t = s.frozenBuckets[bucket].params()[entry.param].detach();
+            moduleWriter->write(t);
+            progress.advance(static_cast<int64_t>(t.nbytes()));
+          }
+        } catch (const std::exception& e) {
+          writeError = e.what();
+        }
+      });
+      k = end;
+    }
+    agreeAcrossRanks(s.comm, device, what, outcome, [&] {
+      if (rank != 0) return;
+      TORCH_CHECK(writeError.empty(), writeError);
+      if (moduleWriter) digests.push_back(moduleWriter->finish(kModuleStateFile));
+      moduleWriter.reset();
+    });
     const auto texts = allGatherText(s.comm, digestsToJson(digests), device);
     agreeAcrossRanks(s.comm, device, what, outcome, [&] {
       if (rank != 0) return;
       writeCheckedFile((fs::path(staging) / kManifestFile).string(), kManifestFile,
-                       manifestOf(s, tag, boundaries, texts).toJsonText());
+                       manifestOf(s, tag, boundaries, texts, saved, excludeFrozen).toJsonText());
       publishCheckpoint(dir, tag);
       const int64_t keep = s.config.extras.checkpointKeepLast;
       try {
@@ -268,6 +381,7 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
       }
     });
   } catch (const AgreedFailure&) {
+    moduleWriter.reset();
     // Every rank answered, so every rank has stopped writing: a failed save, a full disk's above
     // all, gives its space back at once. Not so when a rank stopped answering (it may still
     // write): its staging directory is left to the next save (Note [crash-safe publish]).
@@ -285,7 +399,8 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
   // Everything is read (and checked) into CPU tensors before anything changes: an error leaves
   // this engine exactly as it was, on every rank (Note [agreement]).
   std::vector<std::vector<at::Tensor>> staged(s.buckets.size());
-  std::vector<at::Tensor> moduleTensors;
+  std::vector<at::Tensor> moduleTensors;  // undefined: kept (a frozen parameter the checkpoint excluded)
+  std::vector<at::Tensor> frozenShards(s.frozenBuckets.size());
   std::string clientState;
   const size_t kinds = options.optimizerStates ? kNumKinds : 1;
   Progress progress("load '" + (tag.empty() ? dir : (fs::path(dir) / tag).string()) + "'",
@@ -312,9 +427,17 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
         progress.advance(static_cast<int64_t>(values.nbytes()));
       }
     }
+    const bool frozenExcluded = reader->manifest().frozenExcluded;
     for (const auto& [name, t] : s.moduleState.tensors) {
+      if (frozenExcluded && s.moduleState.isFrozen(name)) {
+        moduleTensors.emplace_back();
+        continue;
+      }
       moduleTensors.push_back(reader->readModuleState(name));
       progress.advance(static_cast<int64_t>(moduleTensors.back().nbytes()));
+    }
+    for (size_t b = 0; b < frozenShards.size() && !frozenExcluded; ++b) {
+      frozenShards[b] = readFrozenShard(s, *reader, b);
     }
     clientState = reader->readClientState();
     if (options.checkClientState) {
@@ -334,7 +457,12 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
         }
       }
     }
-    for (size_t i = 0; i < moduleTensors.size(); ++i) s.moduleState.tensors[i].second.detach().copy_(moduleTensors[i]);
+    for (size_t i = 0; i < moduleTensors.size(); ++i) {
+      if (moduleTensors[i].defined()) s.moduleState.tensors[i].second.detach().copy_(moduleTensors[i]);
+    }
+    for (size_t b = 0; b < frozenShards.size(); ++b) {
+      if (frozenShards[b].defined()) s.frozenBuckets[b].paramShard().copy_(frozenShards[b]);
+    }
   }
   if (options.optimizerStates) {
     s.optimizer.setStepCount(m.globalSteps);

@@ -34,6 +34,18 @@ struct ModuleState {
   std::vector<std::string> keys;  // every state-dict name, in the model's order
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
+  // Stage 3: frozen parameters held sharded in the engine's frozen buckets, under each of
+  // their state-dict names (they are whole only while their unit is gathered).
+  struct Sharded {
+    std::string name;
+    size_t bucket = 0;
+    size_t param = 0;
+  };
+  std::vector<Sharded> sharded;
+  // The names of `tensors` and `sharded` that are frozen parameters, not buffers: what
+  // exclude_frozen_parameters leaves out.
+  std::vector<std::string> frozen;
+  bool isFrozen(const std::string& name) const;
 };
 
 struct LoadOptions {
@@ -64,10 +76,13 @@ struct LoadedCheckpoint {
 };
 
 // The module state of a model from its state dict (every name, in order): a trained parameter
-// under another name than its own is an alias of it; what is not trained (buffers, frozen
-// parameters) is saved whole. The one rule for Python (state_dict order) and C++ models.
+// under another name than its own is an alias of it; a frozen parameter of `frozenBuckets` is
+// sharded; what else is not trained (buffers, frozen parameters kept whole) is saved whole.
+// `frozenWhole`: the frozen parameters kept whole (to tell them from buffers). The one rule for
+// Python (state_dict order) and C++ models.
 ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
-                          const std::vector<Bucket>& buckets);
+                          const std::vector<Bucket>& buckets, const std::vector<Bucket>& frozenBuckets = {},
+                          const std::vector<std::pair<std::string, at::Tensor>>& frozenWhole = {});
 
 // Checks the module state against the trained parameters (names known, none twice).
 void checkModuleState(const ModuleState& state, const std::vector<Bucket>& buckets);
@@ -84,6 +99,11 @@ struct CheckpointedState {
   ShardedAdamW& optimizer;
   LossScaler* scaler;  // fp16 only
   ModuleState& moduleState;
+  // Stage 3: the frozen parameters' flat buffers (ModuleState::sharded), and a call that makes
+  // frozen bucket b whole on every rank while `use` runs (collective: every rank calls it for
+  // the same b in the same order). Below stage 3 there are none.
+  const std::vector<Bucket>& frozenBuckets;
+  std::function<void(size_t frozenBucket, const std::function<void()>& use)> withFrozenWhole;
   int64_t accumulationSteps;
   int64_t& microSteps;  // a multiple of accumulationSteps: checkpoints are between steps
   int64_t& skippedSteps;
@@ -106,9 +126,12 @@ std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchS
 
 // Collective and blocking. Returns the published checkpoint's path; `tag` empty means
 // "global_step<N>". clientState is saved from rank 0; `rankError`, when not empty, fails the
-// save on every rank, naming it, and publishes nothing.
+// save on every rank, naming it, and publishes nothing. `excludeFrozen` (DeepSpeed's
+// exclude_frozen_parameters): the frozen parameters are not saved (the manifest says so); a
+// load keeps the ones the engine has.
 std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
-                           const std::string& clientState, const std::string& rankError);
+                           const std::string& clientState, const std::string& rankError,
+                           bool excludeFrozen = false);
 // Collective and blocking; `tag` empty: the `latest` one. Everything is read and checked before
 // anything changes, on every rank; then the master weights, AdamW state, counters, loss scale,
 // module state and schedule state are written. The caller then makes the parameters follow the

@@ -137,6 +137,7 @@ Json bodyJson(const CheckpointManifest& m) {
     j["module_state"].push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", dtypeName(t.dtype)}});
   }
   j["state_dict_keys"] = m.stateDictKeys;
+  if (m.frozenExcluded) j["frozen_excluded"] = true;
   j["files"] = Json::array();
   for (const auto& f : m.files) j["files"].push_back(fileJson(f));
   return j;
@@ -231,6 +232,7 @@ CheckpointManifest fromBody(const Json& j) {
     m.moduleState.push_back(std::move(saved));
   }
   m.stateDictKeys = j.at("state_dict_keys").get<std::vector<std::string>>();
+  if (j.contains("frozen_excluded")) m.frozenExcluded = j.at("frozen_excluded").get<bool>();
   // Each state-dict name once, and each one a trained parameter, a second name of one or a
   // module-state tensor (a reader and a converted file hold every name once).
   std::unordered_set<std::string> tensors;

@@ -95,6 +95,9 @@ struct CheckpointManifest {
   // The model's state-dict order (parameters, aliases and module state); empty when the
   // engine was not given a module's state.
   std::vector<std::string> stateDictKeys;
+  // Saved with exclude_frozen_parameters: the frozen parameters are in neither moduleState nor
+  // stateDictKeys, and a load keeps the engine's ("frozen_excluded"; absent: false).
+  bool frozenExcluded = false;
   std::vector<FileDigest> files;  // every other file of the checkpoint
   int64_t createdUnixNs = 0;
 

@@ -30,7 +30,9 @@ ModelFileFormat modelFileFormatOf(const std::string& filename) {
 }
 
 ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const ModuleState& moduleState,
-                                at::ScalarType computeDtype, bool byUnit, const ModelExportOptions& options) {
+                                at::ScalarType computeDtype, bool byUnit, const ModelExportOptions& options,
+                                const std::vector<Bucket>& frozenBuckets,
+                                const std::function<int64_t(const ExportSource&)>& unitOf) {
   std::unordered_map<std::string, TrainedPlace> trained;
   std::vector<std::string> trainedOrder;
   for (size_t b = 0; b < buckets.size(); ++b) {
@@ -42,6 +44,8 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
   std::unordered_map<std::string, std::string> aliasOf(moduleState.aliases.begin(), moduleState.aliases.end());
   std::unordered_map<std::string, size_t> moduleIndex;
   for (size_t j = 0; j < moduleState.tensors.size(); ++j) moduleIndex.emplace(moduleState.tensors[j].first, j);
+  std::unordered_map<std::string, const ModuleState::Sharded*> shardedIndex;
+  for (const auto& entry : moduleState.sharded) shardedIndex.emplace(entry.name, &entry);
   const std::vector<std::string>& keys = moduleState.keys.empty() ? trainedOrder : moduleState.keys;
 
   std::unordered_set<std::string> excluded;
@@ -64,7 +68,16 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
       const auto [it, isNew] = ofTrained.emplace(target, index);
       if (isNew) {
         plan.tensors.push_back({key, computeDtype, buckets[t->second.bucket].layout().params()[t->second.param].shape});
-        plan.sources.push_back({t->second.bucket, t->second.param, 0});
+        plan.sources.push_back({t->second.bucket, t->second.param, 0, std::nullopt});
+      }
+      index = it->second;
+    } else if (const auto f = shardedIndex.find(key); f != shardedIndex.end()) {
+      const Bucket& bucket = frozenBuckets.at(f->second->bucket);
+      const at::Tensor& param = bucket.params()[f->second->param];
+      const auto [it, isNew] = ofModule.emplace(param.unsafeGetTensorImpl(), index);
+      if (isNew) {
+        plan.tensors.push_back({key, bucket.flatParams().scalar_type(), bucket.layout().params()[f->second->param].shape});
+        plan.sources.push_back({std::nullopt, f->second->param, 0, f->second->bucket});
       }
       index = it->second;
     } else {
@@ -75,7 +88,7 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
       const auto [it, isNew] = ofModule.emplace(tensor.unsafeGetTensorImpl(), index);
       if (isNew) {
         plan.tensors.push_back({key, tensor.scalar_type(), tensor.sizes().vec()});
-        plan.sources.push_back({std::nullopt, 0, m->second});
+        plan.sources.push_back({std::nullopt, 0, m->second, std::nullopt});
       }
       index = it->second;
     }
@@ -86,7 +99,10 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
   // Stage 3: bucket by bucket (each gathered once), module state (always whole) first.
   std::vector<size_t> order(plan.tensors.size());
   std::iota(order.begin(), order.end(), 0);
-  const auto group = [&](size_t i) { return plan.sources[i].bucket ? static_cast<int64_t>(*plan.sources[i].bucket) : -1; };
+  const auto group = [&](size_t i) {
+    if (unitOf) return unitOf(plan.sources[i]);
+    return plan.sources[i].bucket ? static_cast<int64_t>(*plan.sources[i].bucket) : int64_t{-1};
+  };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return group(a) < group(b); });
   std::vector<size_t> position(order.size());
   ModelExportPlan sorted;

@@ -19,6 +19,7 @@
 #include "zeroshard/layout/bucket.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -51,9 +52,10 @@ struct ModelExportStats {
 
 // Where one exported tensor's bytes come from.
 struct ExportSource {
-  std::optional<size_t> bucket;  // a trained parameter: bucket and index in it
+  std::optional<size_t> bucket;        // a trained parameter: bucket and index in it
   size_t param = 0;
-  size_t moduleTensor = 0;       // otherwise: index into ModuleState::tensors
+  size_t moduleTensor = 0;             // otherwise: index into ModuleState::tensors
+  std::optional<size_t> frozenBucket;  // or a frozen parameter sharded at stage 3 (index `param` in it)
 };
 
 // The file's contents, worked out from the engine's buckets and module state alone (the same
@@ -67,12 +69,16 @@ struct ModelExportPlan {
   std::vector<std::pair<std::string, size_t>> stateDict;
 };
 
-// `byUnit`: the parameters are whole only one bucket at a time (stage 3), so the tensors are
-// ordered bucket by bucket, module state first; otherwise in the state dict's order. Trained
-// parameters are `computeDtype`. With no module state (a C++ engine built from param groups
-// alone) the state dict is the trained parameters.
+// `byUnit`: the parameters are whole only one unit at a time (stage 3), so the tensors are
+// ordered unit by unit, module state first; otherwise in the state dict's order. A unit is
+// `unitOf(source)` (default: the trained bucket; module state: -1). Trained parameters are
+// `computeDtype`; the frozen parameters of `frozenBuckets` (ModuleState::sharded) keep theirs.
+// With no module state (a C++ engine built from param groups alone) the state dict is the
+// trained parameters.
 ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const ModuleState& moduleState,
-                                at::ScalarType computeDtype, bool byUnit, const ModelExportOptions& options);
+                                at::ScalarType computeDtype, bool byUnit, const ModelExportOptions& options,
+                                const std::vector<Bucket>& frozenBuckets = {},
+                                const std::function<int64_t(const ExportSource&)>& unitOf = {});
 
 // Writes a planned file of either format: construction writes the header (safetensors) or
 // opens the archive (torch); write() takes the plan's tensors in order; finish() completes and

@@ -123,7 +123,8 @@ const PretrainedFiles::Located* PretrainedFiles::find(const std::string& name) c
 }
 
 PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<Bucket>& buckets,
-                                const ModuleState& state, const TensorRenames& renames) {
+                                const ModuleState& state, const TensorRenames& renames,
+                                const std::vector<Bucket>& frozenBuckets) {
   PretrainedMatch match;
   auto modelName = [&](const std::string& fileName) -> const std::string& {
     const auto it = renames.find(fileName);
@@ -183,6 +184,22 @@ PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<
   }
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     if (!groups[i].empty()) match.moduleState[i] = take(groups[i], state.tensors[i].second.sizes().vec());
+  }
+  // Stage 3's sharded frozen parameters, each under all its state-dict names (tied: one piece).
+  match.frozen.resize(frozenBuckets.size());
+  for (size_t b = 0; b < frozenBuckets.size(); ++b) {
+    std::vector<std::vector<std::string>> namesOf(frozenBuckets[b].size());
+    for (const auto& entry : state.sharded) {
+      if (entry.bucket == b) namesOf[entry.param].push_back(entry.name);
+    }
+    for (size_t i = 0; i < namesOf.size(); ++i) {
+      const auto& shape = frozenBuckets[b].layout().params()[i].shape;
+      const auto* src = namesOf[i].empty() ? nullptr : take(namesOf[i], shape);
+      TORCH_CHECK(src == nullptr || at::isFloatingType(src->entry->dtype), "zeroshard: tensor '", src->entry->name,
+                  "' in '", files.file(src->file).path(), "' is ", src->entry->dtype, ", but the model holds '",
+                  namesOf[i].front(), "' as a frozen floating-point parameter");
+      match.frozen[b].push_back(src);
+    }
   }
   for (const auto& key : state.keys) known.insert(key);
   for (const auto& name : files.names()) {

@@ -88,6 +88,7 @@ using TensorRenames = std::unordered_map<std::string, std::string>;
 struct PretrainedMatch {
   std::vector<std::vector<const PretrainedFiles::Located*>> params;  // [bucket][param]
   std::vector<const PretrainedFiles::Located*> moduleState;          // [ModuleState::tensors index]
+  std::vector<std::vector<const PretrainedFiles::Located*>> frozen;  // [frozen bucket][param] (stage 3)
   std::vector<std::string> missing;
   std::vector<std::string> unexpected;
   std::vector<ShapeMismatch> mismatched;
@@ -98,8 +99,10 @@ struct PretrainedMatch {
 // (file order) is taken, the other is unexpected, as is a tensor renamed to no name of the
 // model. `unexpected` holds file names. Throws naming the tensor and file when a trained
 // parameter would take a tensor that is not floating-point.
+// `frozenBuckets`: stage 3's frozen parameters (ModuleState::sharded), matched by their names.
 PretrainedMatch matchPretrained(const PretrainedFiles& files, const std::vector<Bucket>& buckets,
-                                const ModuleState& state, const TensorRenames& renames = {});
+                                const ModuleState& state, const TensorRenames& renames = {},
+                                const std::vector<Bucket>& frozenBuckets = {});
 
 // The strict error: what did not fit, each list capped at kListedNames names ("and N more"); a
 // renamed tensor shows both names ("embed_out.weight (as lm_head.weight)").

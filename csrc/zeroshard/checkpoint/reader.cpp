@@ -114,12 +114,20 @@ at::Tensor CheckpointReader::readParam(const std::string& name) {
   return out;
 }
 
-at::Tensor CheckpointReader::readModuleState(const std::string& name) {
+SafetensorsReader& CheckpointReader::moduleStateFile() {
   if (!moduleState_) {
     moduleState_ = std::make_unique<SafetensorsReader>((fs::path(path_) / kModuleStateFile).string(),
                                                        digest(kModuleStateFile));
   }
-  return moduleState_->read(name);
+  return *moduleState_;
+}
+
+at::Tensor CheckpointReader::readModuleState(const std::string& name) {
+  return moduleStateFile().read(name);
+}
+
+void CheckpointReader::readModuleStateElements(const std::string& name, int64_t first, int64_t count, void* out) {
+  moduleStateFile().readElements(name, first, count, out);
 }
 
 std::string CheckpointReader::readClientState() {

@@ -34,8 +34,10 @@ class CheckpointReader {
   void readParam(const SavedParam& param, const std::string& kind, int64_t begin, int64_t end, float* out);
   // The whole parameter's fp32 master weights, shaped, on CPU.
   at::Tensor readParam(const std::string& name);
-  // A tensor of module_state.safetensors, on CPU.
+  // A tensor of module_state.safetensors, on CPU; or elements [first, first + count) of it
+  // (flattened) into `out`, in its dtype.
   at::Tensor readModuleState(const std::string& name);
+  void readModuleStateElements(const std::string& name, int64_t first, int64_t count, void* out);
   // The client_state bytes; empty when none was saved.
   std::string readClientState();
 
@@ -46,6 +48,7 @@ class CheckpointReader {
 
  private:
   SafetensorsReader& rankFile(int rank);
+  SafetensorsReader& moduleStateFile();
   void checkClaimsAgainstFiles() const;
   // The manifest's digest of file `name`; throws naming the checkpoint when it lists none.
   const FileDigest& digest(const std::string& name) const;

@@ -7,6 +7,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace zeroshard {
@@ -112,6 +113,17 @@ at::Tensor Bucket::paramShard() const {
   if (shard_.defined()) return shard_;
   const auto range = layout_.shardRange(rank_);
   return flatParams_.narrow(0, range.begin, range.numel());
+}
+
+void Bucket::writeShardOf(size_t param, const at::Tensor& whole) {
+  const auto& place = layout_.params().at(param);
+  TORCH_CHECK(whole.numel() == place.numel, "zeroshard: '", place.name, "' has ", place.numel, " elements, the value ",
+              whole.numel());
+  const auto range = layout_.shardRange(rank_);
+  const int64_t begin = std::max(range.begin, place.offset);
+  const int64_t end = std::min(range.end, place.offset + place.numel);
+  if (begin >= end) return;
+  paramShard().narrow(0, begin - range.begin, end - begin).copy_(whole.detach().reshape({-1}).narrow(0, begin - place.offset, end - begin));
 }
 
 void Bucket::detachShard() {

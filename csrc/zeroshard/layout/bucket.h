@@ -67,6 +67,11 @@ class Bucket {
   // set_data, e.g. at a scratch tensor during meta initialisation).
   void restoreParamView(size_t i);
 
+  // Writes this rank's part of parameter `param` from its whole value (any dtype, cast to the
+  // buffer's) into its shard: the detached shard after detachShard(), else the full buffer's
+  // slice. Frozen parameters at stage 3 are written so (meta initialisation).
+  void writeShardOf(size_t param, const at::Tensor& whole);
+
   // With 16-bit parameters, the model's original fp32 values (the first time; undefined after,
   // and when the parameters are fp32): they seed the master weights (optim/master_weights.h).
   at::Tensor takeFloatValues();

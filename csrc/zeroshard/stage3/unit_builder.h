@@ -24,6 +24,8 @@ struct UnitSpec {
   std::string name;
   std::vector<std::string> paramNames;
   bool root = false;
+  // Its frozen parameters (requires_grad=False), by the same rule (Note [frozen parameters]).
+  std::vector<std::string> frozenNames;
 };
 
 // Stage 3: a unit as the engine built it. `numel` counts the elements it gathers and releases
@@ -37,13 +39,17 @@ struct UnitInfo {
   std::vector<std::string> persistent;
   int64_t persistentNumel = 0;
   bool root = false;
+  // Its frozen parameters sharded with it (one flat buffer per dtype), and their elements.
+  std::vector<std::string> frozen;
+  int64_t frozenNumel = 0;
 };
 
 // Which parameters each unit holds, the one rule for Python and C++ models: a trainable
 // parameter of exactly one of the unit modules belongs to that unit; the rest (those of no unit,
 // and those several units share, e.g. tied weights) belong to the root unit, last, "<root>".
 // `namedParams`: the model's parameters in order, each once, under its first name;
-// `unitParams[u]`: the parameters of unit module `unitNames[u]`. Frozen parameters are in no unit.
+// `unitParams[u]`: the parameters of unit module `unitNames[u]`. Frozen parameters follow the
+// same rule into UnitSpec::frozenNames.
 std::vector<UnitSpec> assignUnits(const std::vector<std::pair<std::string, at::Tensor>>& namedParams,
                                   const std::vector<std::string>& unitNames,
                                   const std::vector<std::vector<at::Tensor>>& unitParams);
@@ -58,17 +64,26 @@ struct UnitOptions {
 // The units built from the specs (empty specs: one root unit of every parameter). unitOf[i] is
 // the unit of spec i, none when spec i has no parameter of its own; infos[i] describes spec i.
 // The persistent parameters, if any, form one more unit after the others, kept gathered.
+// `buckets` are the trained parameters' flat buffers (what the optimizer and the gradient
+// reducer index), `frozenBuckets` the frozen ones', and `buffers[u]` names unit u's in both.
+// Frozen parameters at or under the persistence threshold stay whole: `frozenWhole`.
 struct Stage3Units {
   std::vector<Bucket> buckets;
+  std::vector<Bucket> frozenBuckets;
+  std::vector<UnitBuffers> buffers;
   std::vector<UnitPolicy> policies;
   std::vector<std::optional<UnitIndex>> unitOf;
   std::vector<UnitInfo> infos;
+  std::vector<std::pair<std::string, at::Tensor>> frozenWhole;
 };
 
-// Errors name the unit and parameter: a listed parameter that is not trainable, one listed by
-// two units, a trainable one in none.
+// `frozen`: the model's frozen parameters (requires_grad=False), each once under its first
+// name; the ones no spec lists join the root unit (with no specs, the one root unit). Errors
+// name the unit and parameter: a listed parameter that is not trainable (or not frozen), one
+// listed by two units, a trainable one in none, a frozen one that is not floating-point.
 Stage3Units buildStage3Units(const std::vector<ParamGroupSpec>& groups, std::vector<UnitSpec> specs,
                              const UnitOptions& options, int rank, int worldSize, at::ScalarType computeDtype,
-                             std::optional<at::Device> metaDevice = std::nullopt);
+                             std::optional<at::Device> metaDevice = std::nullopt,
+                             const std::vector<std::pair<std::string, at::Tensor>>& frozen = {});
 
 }  // namespace zeroshard

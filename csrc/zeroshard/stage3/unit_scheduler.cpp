@@ -16,39 +16,85 @@
 
 namespace zeroshard {
 
+namespace {
+
+std::vector<UnitBuffers> oneBucketEach(size_t n) {
+  std::vector<UnitBuffers> units;
+  for (size_t b = 0; b < n; ++b) units.push_back(UnitBuffers{b, {}});
+  return units;
+}
+
+}  // namespace
+
 UnitScheduler::UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
-                           int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin,
-                           Communicator* secondary, bool gatherStream)
-    : units_(units),
-      policies_(std::move(policies)),
+                             int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost, bool pin,
+                             Communicator* secondary, bool gatherStream)
+    : UnitScheduler(units, units, oneBucketEach(units.size()), std::move(policies), comm, prefetchElements,
+                    maxLiveElements, shardsOnHost, pin, secondary, gatherStream) {}
+
+UnitScheduler::UnitScheduler(std::vector<Bucket>& trained, std::vector<Bucket>& frozen, std::vector<UnitBuffers> units,
+                             std::vector<UnitPolicy> policies, Communicator& comm, int64_t prefetchElements,
+                             int64_t maxLiveElements, bool shardsOnHost, bool pin, Communicator* secondary,
+                             bool gatherStream)
+    : policies_(std::move(policies)),
       comm_(comm),
       prefetchElements_(prefetchElements),
       maxLiveElements_(maxLiveElements),
       secondary_(secondary),
       gatherStream_(gatherStream) {
-  TORCH_CHECK(policies_.size() == units_.size(), "zeroshard: ", units_.size(), " units but ", policies_.size(),
+  TORCH_CHECK(policies_.size() == units.size(), "zeroshard: ", units.size(), " units but ", policies_.size(),
               " policies");
-  states_.assign(units_.size(), UnitState::kSharded);
-  pending_.resize(units_.size());
-  stagedShards_.resize(units_.size());
-  secondaryShards_.resize(units_.size());
-  allocStreams_.resize(units_.size());
-  for (size_t u = 0; u < units_.size(); ++u) {
-    auto& unit = units_[u];
-    unit.detachShard();
-    if (shardsOnHost) unit.moveShardToHost(pin);
-    if (policies_[u].keepGathered) {
-      unit.allocateZeroed();  // a meta model's bucket has none yet (Note [meta buckets])
-      states_[u] = UnitState::kGathered;
-    } else {
-      unit.releaseFlatParams();
+  TORCH_CHECK(!units.empty(), "zeroshard stage 3: no units");
+  unitOfBucket_.assign(trained.size(), 0);
+  unitOfFrozen_.assign(&frozen == &trained ? 0 : frozen.size(), 0);
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& list = buffers_.emplace_back();
+    const auto& spec = units[u];
+    if (spec.trained) {
+      TORCH_CHECK(*spec.trained < trained.size(), "zeroshard stage 3: unit ", u, " names trained bucket ",
+                  *spec.trained, " of ", trained.size());
+      list.push_back(&trained[*spec.trained]);
+      unitOfBucket_[*spec.trained] = u;
     }
+    for (size_t f : spec.frozen) {
+      TORCH_CHECK(f < frozen.size(), "zeroshard stage 3: unit ", u, " names frozen bucket ", f, " of ", frozen.size());
+      list.push_back(&frozen[f]);
+      unitOfFrozen_.at(f) = u;
+    }
+    TORCH_CHECK(!list.empty(), "zeroshard stage 3: unit ", u, " has no parameters");
+    TORCH_CHECK(!(policies_[u].keepGathered && !spec.frozen.empty()), "zeroshard stage 3: kept-gathered unit ", u,
+                " holds frozen parameters (those under the persistence threshold stay whole instead)");
+    trainedOf_.push_back(spec.trained);
+    hasFrozen_.push_back(!spec.frozen.empty());
+  }
+  const size_t n = buffers_.size();
+  states_.assign(n, UnitState::kSharded);
+  pending_.resize(n);
+  stagedShards_.resize(n);
+  secondaryShards_.resize(n);
+  allocStreams_.resize(n);
+  inputsWatched_.assign(n, false);
+  inputGradsPending_.assign(n, 0);
+  gradsReduced_.assign(n, false);
+  for (size_t u = 0; u < n; ++u) {
+    stagedShards_[u].resize(buffers_[u].size());
+    secondaryShards_[u].resize(buffers_[u].size());
+    for (Bucket* buffer : buffers_[u]) {
+      buffer->detachShard();
+      if (shardsOnHost) buffer->moveShardToHost(pin);
+      if (policies_[u].keepGathered) {
+        buffer->allocateZeroed();  // a meta model's bucket has none yet (Note [meta buckets])
+      } else {
+        buffer->releaseFlatParams();
+      }
+    }
+    if (policies_[u].keepGathered) states_[u] = UnitState::kGathered;
   }
 }
 
 const std::string& UnitScheduler::nameOf(size_t unit) const {
   // A unit's name is its first parameter's module path, e.g. "blocks.3.attn.qkv.weight".
-  return units_.at(unit).layout().params().front().name;
+  return buffers_.at(unit).front()->layout().params().front().name;
 }
 
 // Note [gather stream]: with zeroshard.stage3_gather_stream on a GPU, a gather issued ahead of
@@ -71,32 +117,34 @@ const std::string& UnitScheduler::nameOf(size_t unit) const {
 // they would be waited for immediately anyway. On CPUs there are no streams; nothing changes.
 void UnitScheduler::startUnshard(size_t u, bool ahead) {
   if (states_[u] != UnitState::kSharded) return;
-  auto& unit = units_[u];
-  const auto device = unit.flatParams().device();
+  const auto device = buffers_[u].front()->flatParams().device();
   std::optional<c10::StreamGuard> onGatherStream;
   if (ahead && gatherStream_ && !device.is_cpu() && passStart_) {
     if (!sideStream_) sideStream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
     passStart_->block(*sideStream_);
     onGatherStream.emplace(*sideStream_);
   }
-  unit.materializeFlatParams();
   if (!device.is_cpu()) allocStreams_[u] = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-  pending_[u] = startGather(u);
+  for (size_t i = 0; i < buffers_[u].size(); ++i) {
+    Bucket& buffer = *buffers_[u][i];
+    buffer.materializeFlatParams();
+    pending_[u].push_back(startGather(u, i));
+    liveElements_ += buffer.layout().paddedNumel();
+    liveBytes_ += static_cast<int64_t>(buffer.flatParams().nbytes());
+  }
   states_[u] = UnitState::kGathering;
-  liveElements_ += unit.layout().paddedNumel();
-  liveBytes_ += static_cast<int64_t>(unit.flatParams().nbytes());
   peakBytes_ = std::max(peakBytes_, liveBytes_);
 }
 
 namespace {
 
 // The unit's all-gather; its error names the unit (the Communicator's names the collective).
-void waitForGather(CommHandle& handle, const std::vector<Bucket>& units, size_t u, const char* when) {
+void waitForGather(CommHandle& handle, const Bucket& buffer, size_t u, size_t units, const char* when) {
   try {
     handle.wait();
   } catch (...) {
     rethrowWithContext(std::string("gathering the parameters of stage-3 unit ") + std::to_string(u) + " of " +
-                       std::to_string(units.size()) + " " + when + ": " + units[u].describe());
+                       std::to_string(units) + " " + when + ": " + buffer.describe());
   }
 }
 
@@ -105,20 +153,22 @@ void waitForGather(CommHandle& handle, const std::vector<Bucket>& units, size_t 
 void UnitScheduler::unshard(size_t u) {
   startUnshard(u);
   if (states_[u] == UnitState::kGathering) {
-    auto handle = std::move(*pending_[u]);
-    pending_[u].reset();
-    waitForGather(handle, units_, u, "for its forward or backward");
+    auto handles = std::move(pending_[u]);
+    pending_[u].clear();
+    for (size_t i = 0; i < handles.size(); ++i) {
+      waitForGather(handles[i], *buffers_[u][i], u, buffers_.size(), "for its forward or backward");
+    }
     finished(u);
     states_[u] = UnitState::kGathered;
   }
 }
 
-CommHandle UnitScheduler::startGather(size_t u) {
-  auto& unit = units_[u];
-  if (secondaryShards_[u].defined()) return secondary_->allGather(secondaryShards_[u], unit.flatParams());
+CommHandle UnitScheduler::startGather(size_t u, size_t i) {
+  const Bucket& unit = *buffers_[u][i];
+  if (secondaryShards_[u][i].defined()) return secondary_->allGather(secondaryShards_[u][i], unit.flatParams());
   if (!unit.shardOnHost()) return comm_.allGather(unit.paramShard(), unit.flatParams());
   // Issued on the current stream before the collective, which c10d orders after it.
-  auto& staged = stagedShards_[u];
+  auto& staged = stagedShards_[u][i];
   staged = at::empty({unit.layout().shardNumel()}, unit.flatParams().options());
   copyBetween(staged, unit.paramShard());
   return comm_.allGather(staged, unit.flatParams());
@@ -129,17 +179,20 @@ CommHandle UnitScheduler::startGather(size_t u) {
 // the current stream has waited for the gather (CommHandle::wait), so the gather stream waits
 // for the current one before the block can be handed out again (Note [gather stream]).
 void UnitScheduler::finished(size_t u) {
-  auto& staged = stagedShards_[u];
-  if (staged.defined() && allocStreams_[u]) {
-    const auto device = staged.device();
-    const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-    if (current != *allocStreams_[u]) {
-      c10::Event gathered(device.type());
-      gathered.record(current);
-      gathered.block(*allocStreams_[u]);
+  bool ordered = false;
+  for (auto& staged : stagedShards_[u]) {
+    if (staged.defined() && allocStreams_[u] && !ordered) {
+      const auto device = staged.device();
+      const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+      if (current != *allocStreams_[u]) {
+        c10::Event gathered(device.type());
+        gathered.record(current);
+        gathered.block(*allocStreams_[u]);
+      }
+      ordered = true;
     }
+    staged = at::Tensor();
   }
-  staged = at::Tensor();
 }
 
 void UnitScheduler::reshard(size_t u, bool keepSecondary) {
@@ -148,10 +201,12 @@ void UnitScheduler::reshard(size_t u, bool keepSecondary) {
   if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
   if (keepSecondary) keepSecondaryShard(u);
   orderAllocationAfterUse(u);
-  units_[u].releaseFlatParams();
+  for (Bucket* buffer : buffers_[u]) {
+    buffer->releaseFlatParams();
+    liveElements_ -= buffer->layout().paddedNumel();
+    liveBytes_ -= static_cast<int64_t>(buffer->flatParams().element_size()) * buffer->layout().paddedNumel();
+  }
   states_[u] = UnitState::kSharded;
-  liveElements_ -= units_[u].layout().paddedNumel();
-  liveBytes_ -= static_cast<int64_t>(units_[u].flatParams().element_size()) * units_[u].layout().paddedNumel();
 }
 
 // Note [hpZ secondary shards]: the secondary group's members are consecutive ranks of the shard
@@ -160,19 +215,24 @@ void UnitScheduler::reshard(size_t u, bool keepSecondary) {
 // exactly the buffer the forward's all-gather over the shard group made. The slice is copied
 // on the current stream, after the gather's wait, before the buffer is released.
 void UnitScheduler::keepSecondaryShard(size_t u) {
-  if (secondary_ == nullptr || secondaryShards_[u].defined()) return;
-  const auto& flat = units_[u].flatParams();
-  const int64_t numel = units_[u].layout().paddedNumel() / secondary_->worldSize();
-  secondaryShards_[u] = flat.narrow(0, numel * secondary_->rank(), numel).clone();
-  secondaryBytes_ += static_cast<int64_t>(secondaryShards_[u].nbytes());
+  if (secondary_ == nullptr) return;
+  for (size_t i = 0; i < buffers_[u].size(); ++i) {
+    auto& shard = secondaryShards_[u][i];
+    if (shard.defined()) continue;
+    const auto& flat = buffers_[u][i]->flatParams();
+    const int64_t numel = buffers_[u][i]->layout().paddedNumel() / secondary_->worldSize();
+    shard = flat.narrow(0, numel * secondary_->rank(), numel).clone();
+    secondaryBytes_ += static_cast<int64_t>(shard.nbytes());
+  }
   peakSecondaryBytes_ = std::max(peakSecondaryBytes_, secondaryBytes_);
 }
 
 void UnitScheduler::dropSecondaryShard(size_t u) {
-  auto& shard = secondaryShards_[u];
-  if (!shard.defined()) return;
-  secondaryBytes_ -= static_cast<int64_t>(shard.nbytes());
-  shard = at::Tensor();
+  for (auto& shard : secondaryShards_[u]) {
+    if (!shard.defined()) continue;
+    secondaryBytes_ -= static_cast<int64_t>(shard.nbytes());
+    shard = at::Tensor();
+  }
 }
 
 // The next unit is prefetched even when it is larger than stage3_prefetch_bucket_size, as
@@ -181,7 +241,8 @@ void UnitScheduler::dropSecondaryShard(size_t u) {
 // prefetched. Only 0 turns prefetch off; stage3_max_live_parameters still bounds it.
 void UnitScheduler::prefetch(size_t u) {
   if (states_[u] != UnitState::kSharded || prefetchElements_ <= 0) return;
-  const int64_t numel = units_[u].layout().paddedNumel();
+  int64_t numel = 0;
+  for (const Bucket* buffer : buffers_[u]) numel += buffer->layout().paddedNumel();
   if (liveElements_ + numel > maxLiveElements_) return;
   startUnshard(u, /*ahead=*/true);
 }
@@ -203,7 +264,7 @@ void UnitScheduler::markPassStart(const at::Tensor& like) {
 void UnitScheduler::orderAllocationAfterUse(size_t u) {
   auto& allocStream = allocStreams_[u];
   if (!allocStream) return;
-  const auto device = units_[u].flatParams().device();
+  const auto device = buffers_[u].front()->flatParams().device();
   const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
   if (current != *allocStream) {
     c10::Event used(device.type());
@@ -220,7 +281,7 @@ void UnitScheduler::preForward(UnitIndex unit) {
     order_.push_back(u);
   } else if (!recording_ && training) {
     if (forwardPos_ == order_.size()) forwardPos_ = 0;  // a forward that had no backward
-    if (forwardPos_ == 0) markPassStart(units_[u].flatParams());
+    if (forwardPos_ == 0) markPassStart(buffers_[u].front()->flatParams());
     TORCH_CHECK(forwardPos_ < order_.size() && order_[forwardPos_] == u, "zeroshard stage 3: unit '", nameOf(u),
                 "' ran at position ", forwardPos_, " of this forward, but the first step ran ",
                 forwardPos_ < order_.size() ? "'" + nameOf(order_[forwardPos_]) + "'" : std::string("no unit"),
@@ -256,7 +317,7 @@ void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& o
 // goes root, last block, ..., first block, as FSDP2's post-forward order does.
 void UnitScheduler::preBackward(UnitIndex unit) {
   const size_t u = unit.value;
-  if (!recording_ && backwardPos_ == postOrder_.size()) markPassStart(units_[u].flatParams());
+  if (!recording_ && backwardPos_ == postOrder_.size()) markPassStart(buffers_[u].front()->flatParams());
   unshard(u);
   if (recording_) return;
   // The unit before this one in the finish order runs its backward next.
@@ -268,12 +329,54 @@ void UnitScheduler::preBackward(UnitIndex unit) {
   }
 }
 
+// Note [release after backward]: a unit's trained parameters are done with once their
+// gradients are: the node that computes a weight's gradient computes its input's gradient
+// too. A frozen weight has no gradient to say so; it is needed until every gradient its unit
+// computes is computed: those of its trained parameters (reported by the reducer) and those of
+// its inputs (a hook on each input that requires grad fires once that input's gradient is
+// whole, after the unit's backward). Inside a LoRA layer the base weight's input-gradient
+// matmul runs after the adapters' gradients are ready, so releasing on those alone would free
+// it too early. A unit whose inputs need no gradient computes only its trained parameters'
+// (the first decoder layer after a frozen embedding). Not so the root unit, which encloses the
+// others (gradients computed with its frozen weights flow into other units), nor a unit whose
+// inputs were not given (a C++ runUnit): those are released at the end of the backward.
 void UnitScheduler::afterGradReduce(UnitIndex unit) {
-  reshard(unit.value);
+  const size_t u = unit.value;
+  if (!hasFrozen_.at(u)) {
+    reshard(u);
+    return;
+  }
+  gradsReduced_[u] = true;
+  releaseAfterBackward(u);
+}
+
+void UnitScheduler::watchInputs(UnitIndex unit, const std::vector<at::Tensor>& inputs) {
+  const size_t u = unit.value;
+  if (!hasFrozen_.at(u) || policies_[u].root || !c10::GradMode::is_enabled()) return;
+  inputsWatched_[u] = true;
+  for (const auto& input : inputs) {
+    if (!input.defined() || !input.requires_grad()) continue;
+    ++inputGradsPending_[u];
+    input.register_hook([this, u](const at::TensorBase&) { inputGradReady(u); });
+  }
+}
+
+void UnitScheduler::inputGradReady(size_t u) {
+  if (inputGradsPending_[u] > 0) --inputGradsPending_[u];
+  releaseAfterBackward(u);
+}
+
+void UnitScheduler::releaseAfterBackward(size_t u) {
+  if (!inputsWatched_[u] || inputGradsPending_[u] > 0) return;
+  if (trainedOf_[u] && !gradsReduced_[u]) return;
+  reshard(u);
 }
 
 void UnitScheduler::finishBackward() {
-  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  for (size_t u = 0; u < buffers_.size(); ++u) reshard(u);
+  std::fill(inputsWatched_.begin(), inputsWatched_.end(), false);
+  std::fill(inputGradsPending_.begin(), inputGradsPending_.end(), 0);
+  std::fill(gradsReduced_.begin(), gradsReduced_.end(), false);
   if (recording_) {
     checkOrderAcrossRanks();
     recording_ = false;
@@ -284,7 +387,7 @@ void UnitScheduler::finishBackward() {
 
 void UnitScheduler::checkOrderAcrossRanks() {
   const std::vector<int64_t> mine(order_.begin(), order_.end());
-  const auto orders = allGatherValues(comm_, mine, units_.front().flatParams().device());
+  const auto orders = allGatherValues(comm_, mine, buffers_.front().front()->flatParams().device());
   const auto n = static_cast<int64_t>(mine.size());
   for (int r = 0; r < comm_.worldSize(); ++r) {
     const auto& theirs = orders[static_cast<size_t>(r)];
@@ -301,55 +404,82 @@ void UnitScheduler::checkOrderAcrossRanks() {
 
 int64_t UnitScheduler::hostBytes() const {
   int64_t total = 0;
-  for (const auto& unit : units_) {
-    if (unit.shardOnHost()) total += static_cast<int64_t>(unit.paramShard().nbytes());
+  for (size_t u = 0; u < buffers_.size(); ++u) {
+    const Bucket& first = *buffers_[u].front();
+    if (trainedOf_[u] && first.shardOnHost()) total += static_cast<int64_t>(first.paramShard().nbytes());
   }
   return total;
 }
 
 int64_t UnitScheduler::bytes() const {
   int64_t total = 0;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    total += static_cast<int64_t>(units_[u].paramShard().nbytes());
-    if (policies_[u].keepGathered) total += static_cast<int64_t>(units_[u].flatParams().nbytes());
+  for (size_t u = 0; u < buffers_.size(); ++u) {
+    if (!trainedOf_[u]) continue;
+    const Bucket& trained = *buffers_[u].front();
+    total += static_cast<int64_t>(trained.paramShard().nbytes());
+    if (policies_[u].keepGathered) total += static_cast<int64_t>(trained.flatParams().nbytes());
+  }
+  return total;
+}
+
+int64_t UnitScheduler::frozenBytes() const {
+  int64_t total = 0;
+  for (size_t u = 0; u < buffers_.size(); ++u) {
+    for (size_t i = trainedOf_[u] ? 1 : 0; i < buffers_[u].size(); ++i) {
+      total += static_cast<int64_t>(buffers_[u][i]->paramShard().nbytes());
+    }
+  }
+  return total;
+}
+
+int64_t UnitScheduler::frozenHostBytes() const {
+  int64_t total = 0;
+  for (size_t u = 0; u < buffers_.size(); ++u) {
+    for (size_t i = trainedOf_[u] ? 1 : 0; i < buffers_[u].size(); ++i) {
+      if (buffers_[u][i]->shardOnHost()) total += static_cast<int64_t>(buffers_[u][i]->paramShard().nbytes());
+    }
   }
   return total;
 }
 
 void UnitScheduler::refreshKeptUnits() {
-  for (size_t u = 0; u < units_.size(); ++u) afterStepOf(u);
+  for (size_t b = 0; b < unitOfBucket_.size(); ++b) afterStepOf(b);
   finishAfterStep();
 }
 
-void UnitScheduler::afterStepOf(size_t u) {
-  dropSecondaryShard(u);  // the step changed the unit's shards
-  if (policies_.at(u).keepGathered) refreshing_.emplace_back(u, startGather(u));
+// The step changed the trained shards: a kept-gathered unit (trained parameters only) gathers
+// them again, and secondary shards are dropped (hpZ keeps them between a forward and its
+// backward only).
+void UnitScheduler::afterStepOf(size_t bucket) {
+  const size_t u = unitOfBucket_.at(bucket);
+  dropSecondaryShard(u);
+  if (policies_[u].keepGathered) refreshing_.emplace_back(u, startGather(u, 0));
 }
 
 void UnitScheduler::finishAfterStep() {
   auto refreshing = std::move(refreshing_);
   refreshing_.clear();
   for (auto& [u, handle] : refreshing) {
-    waitForGather(handle, units_, u, "after the optimizer step");
+    waitForGather(handle, *buffers_[u].front(), u, buffers_.size(), "after the optimizer step");
     finished(u);
   }
 }
 
 void UnitScheduler::gatherAll() {
-  for (size_t u = 0; u < units_.size(); ++u) startUnshard(u);
-  for (size_t u = 0; u < units_.size(); ++u) unshard(u);
+  for (size_t u = 0; u < buffers_.size(); ++u) startUnshard(u);
+  for (size_t u = 0; u < buffers_.size(); ++u) unshard(u);
 }
 
 bool UnitScheduler::gatherUnit(UnitIndex unit) {
   const size_t u = unit.value;
-  TORCH_CHECK(u < units_.size(), "zeroshard stage 3: unit ", u, " does not exist (", units_.size(), " units)");
+  TORCH_CHECK(u < buffers_.size(), "zeroshard stage 3: unit ", u, " does not exist (", buffers_.size(), " units)");
   const bool wasSharded = states_[u] == UnitState::kSharded;
   unshard(u);
   return wasSharded;
 }
 
 void UnitScheduler::reshardAll() {
-  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+  for (size_t u = 0; u < buffers_.size(); ++u) reshard(u);
 }
 
 } // namespace zeroshard

@@ -24,10 +24,19 @@
 
 namespace zeroshard {
 
-// A unit's index. Each unit is one bucket (one flat buffer), so the unit's index is also its
-// bucket's, and the gradient reducer reports buckets; the type says a unit is meant.
+// A unit's index (the gradient reducer and the optimizer index trained buckets, which are
+// not units: a unit may hold only frozen parameters; the type says a unit is meant).
 struct UnitIndex {
   size_t value;
+};
+
+// Stage 3: one unit's flat buffers: its trained parameters' (an index into the trained
+// buckets, which the gradient reducer and the optimizer use) and its frozen parameters' (into
+// the frozen buckets, one per dtype; Note [frozen parameters] in unit_builder.cpp). Every unit
+// has at least one.
+struct UnitBuffers {
+  std::optional<size_t> trained;
+  std::vector<size_t> frozen;
 };
 
 enum class UnitState { kSharded, kGathering, kGathered };
@@ -35,6 +44,9 @@ enum class UnitState { kSharded, kGathering, kGathered };
 struct UnitPolicy {
   bool reshardAfterForward = true;  // false for the root unit: its outputs are needed at once
   bool keepGathered = false;        // persistent parameters: never released
+  // The root unit encloses the others: its backward ends with the whole backward, so with
+  // frozen parameters it is released only then (Note [release after backward]).
+  bool root = false;
 };
 
 // The sharded parameter storage of stage 3 (layout/param_storage.h).
@@ -52,19 +64,35 @@ class UnitScheduler final : public ParamStorage {
   //
   // `gatherStream` (zeroshard.stage3_gather_stream, GPUs only): prefetched gathers and their
   // host-to-device copies are issued from a side stream (Note [gather stream]).
+  //
+  // `units[u]` names unit u's buffers in `trained` and `frozen`, which the caller owns and keeps
+  // for the scheduler's life (neither vector may grow).
+  UnitScheduler(std::vector<Bucket>& trained, std::vector<Bucket>& frozen, std::vector<UnitBuffers> units,
+                std::vector<UnitPolicy> policies, Communicator& comm, int64_t prefetchElements,
+                int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false,
+                Communicator* secondary = nullptr, bool gatherStream = false);
+  // No frozen parameters: unit u is trained bucket u.
   UnitScheduler(std::vector<Bucket>& units, std::vector<UnitPolicy> policies, Communicator& comm,
                int64_t prefetchElements, int64_t maxLiveElements, bool shardsOnHost = false, bool pin = false,
                Communicator* secondary = nullptr, bool gatherStream = false);
 
   // Module hooks (the Python layer, or a C++ unit wrapper, calls these around unit u's forward).
   void preForward(UnitIndex unit);
+  // A training forward's inputs of unit u (before its forward): a unit with frozen parameters
+  // is released in backward once the gradients of those that require grad are computed (and
+  // its trained parameters' are reduced), Note [release after backward]. A unit whose inputs
+  // were never given stays gathered until the end of the backward.
+  void watchInputs(UnitIndex unit, const std::vector<at::Tensor>& inputs);
   // Registers a pre-backward hook on every output that requires grad, then frees the unit's
   // parameters if its policy says so.
   void postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs);
   // From autograd: the gradient of one of the unit's outputs is about to flow into it.
   void preBackward(UnitIndex unit);
-  // The unit's gradients were handed to the reducer: its gathered parameters can go.
+  // The unit's gradients were handed to the reducer: its gathered parameters can go (a unit
+  // with frozen parameters: Note [release after backward]). afterBucketReduce: the same, by
+  // the trained bucket's index, as the gradient reducer reports it.
   void afterGradReduce(UnitIndex unit);
+  void afterBucketReduce(size_t bucket) { afterGradReduce(UnitIndex{unitOfBucket_.at(bucket)}); }
   // End of a backward: releases what is still gathered, checks the order once.
   void finishBackward() override;
   // After the optimizer step: kept-gathered units all-gather their updated shards (the others
@@ -85,17 +113,25 @@ class UnitScheduler final : public ParamStorage {
   // Whether unit u's gather has been issued (gathering or gathered): after a prefetch, before
   // the unit's own hook. Kept-gathered units always are.
   bool isUnsharded(UnitIndex unit) const { return states_.at(unit.value) != UnitState::kSharded; }
-  // Bytes of unit parameters gathered now (kept-gathered units, always whole, not included).
+  // Bytes of unit parameters gathered now, frozen ones included (kept-gathered units, always
+  // whole, not included).
   int64_t gatheredBytes() const { return liveBytes_; }
   // Between steps a unit holds its shard; kept-gathered units also hold the full buffer.
+  // Trained parameters only; frozenBytes() and frozenHostBytes() count the frozen shards.
   int64_t bytes() const override;
   int64_t hostBytes() const override;
+  int64_t frozenBytes() const;
+  int64_t frozenHostBytes() const;
+  size_t numUnits() const { return buffers_.size(); }
+  // The unit that holds trained bucket `bucket`, and frozen bucket `frozenBucket`.
+  UnitIndex unitOfBucket(size_t bucket) const { return UnitIndex{unitOfBucket_.at(bucket)}; }
+  UnitIndex unitOfFrozen(size_t frozenBucket) const { return UnitIndex{unitOfFrozen_.at(frozenBucket)}; }
 
   bool isReleasable(UnitIndex unit) const { return !policies_.at(unit.value).keepGathered; }
   int64_t peakGatheredBytes() const override { return peakBytes_; }
   // hpZ: drops every secondary shard (the shards were written outside a step).
   void dropSecondaryShards() {
-    for (size_t u = 0; u < units_.size(); ++u) dropSecondaryShard(u);
+    for (size_t u = 0; u < buffers_.size(); ++u) dropSecondaryShard(u);
   }
   // hpZ: the bytes of secondary shards held now, and the most held at once since resetPeak().
   int64_t secondaryBytes() const { return secondaryBytes_; }
@@ -120,23 +156,37 @@ class UnitScheduler final : public ParamStorage {
   void prefetch(size_t unit);
   void orderAllocationAfterUse(size_t unit);
   void checkOrderAcrossRanks();
-  // An all-gather of unit u's shard into its full buffer (started; the device copy of a host
-  // shard is kept until finished() is called for it).
-  CommHandle startGather(size_t u);
+  // An all-gather of buffer i of unit u's shard into its full buffer (started; the device copy
+  // of a host shard is kept until finished() is called for the unit).
+  CommHandle startGather(size_t u, size_t i);
   void finished(size_t u);
   const std::string& nameOf(size_t unit) const;
+  void inputGradReady(size_t unit);
+  void releaseAfterBackward(size_t unit);
 
-  std::vector<Bucket>& units_;
+  // Every unit's buffers, its trained one first (the engine owns them).
+  std::vector<std::vector<Bucket*>> buffers_;
+  std::vector<std::optional<size_t>> trainedOf_;  // unit -> its trained bucket
+  std::vector<size_t> unitOfBucket_;              // trained bucket -> its unit
+  std::vector<size_t> unitOfFrozen_;              // frozen bucket -> its unit
+  std::vector<bool> hasFrozen_;
   std::vector<UnitPolicy> policies_;
   Communicator& comm_;
   int64_t prefetchElements_;
   int64_t maxLiveElements_;
   std::vector<UnitState> states_;
-  std::vector<std::optional<CommHandle>> pending_;
-  std::vector<at::Tensor> stagedShards_;  // offload_param: a host shard's device copy, during its gather
+  std::vector<std::vector<CommHandle>> pending_;  // per unit, one per buffer while gathering
+  // offload_param: a host shard's device copy, during its gather (per unit and buffer)
+  std::vector<std::vector<at::Tensor>> stagedShards_;
   Communicator* secondary_;                // hpZ: the secondary group, or none
-  std::vector<at::Tensor> secondaryShards_;  // hpZ: each unit's secondary shard, while it has one
-  std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step
+  std::vector<std::vector<at::Tensor>> secondaryShards_;  // hpZ: each buffer's secondary shard, while it has one
+  // Note [release after backward], per unit during a backward: whether its inputs were
+  // watched, how many of their gradients are still to come, and whether its trained
+  // parameters' gradients were reduced.
+  std::vector<bool> inputsWatched_;
+  std::vector<int64_t> inputGradsPending_;
+  std::vector<bool> gradsReduced_;
+  std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step (trained only)
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;
   std::vector<size_t> order_;      // the units in the order their forwards started (first step)

@@ -143,15 +143,13 @@ class DeepSpeedEngine(torch.nn.Module):
         rank calls it between optimizer steps. Returns True, as DeepSpeed does."""
         if not save_dir:
             raise ValueError(f"zeroshard.deepspeed: save_dir must be a non-empty path, got {save_dir!r}")
-        if exclude_frozen_parameters:
-            raise NotImplementedError("zeroshard.deepspeed: save_checkpoint(exclude_frozen_parameters=True) is not "
-                                      "supported; frozen parameters are saved with the module state")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         state = dict(client_state or {})
         state[_STATE_KEY] = {"global_steps": self.global_steps, "global_samples": self.global_samples}
         latest = os.path.join(os.fspath(save_dir), "latest")
         previous = _read_bytes(latest) if not save_latest and self.global_rank == 0 else None
-        self._engine.save_checkpoint(save_dir, tag=tag, client_state=state)
+        self._engine.save_checkpoint(save_dir, tag=tag, client_state=state,
+                                     exclude_frozen_parameters=exclude_frozen_parameters)
         if not save_latest:
             # zeroshard always points `latest` at what it published; put back what was there.
             if self.global_rank == 0:

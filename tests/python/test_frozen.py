@@ -1,0 +1,176 @@
+"""Frozen parameters (a LoRA base): sharded with their units at stage 3, whole below it, never
+trained, the same on every rank (Note [frozen parameters] in stage3/unit_builder.cpp).
+
+The model is tests/python/models.py's LoraTransformer: every base weight frozen, adapters on
+each block's projections trained. Its adapters' backward runs before the base weight's
+input-gradient matmul, so releasing a unit once its trained gradients are reduced would read a
+freed weight (Note [release after backward]). The peft models are tests/python/test_lora.py's.
+"""
+
+import pytest
+import torch
+
+from model_state import padded_numel
+from spawn import SharedRuns
+from training import LR, WEIGHT_DECAY, engine_config, train_global_batches
+
+STEPS = range(3)
+PERSIST = 30  # stage3_param_persistence_threshold: the biases and norms of a block stay whole
+
+
+def _config(stage, **kwargs):
+    zero = {"stage3_param_persistence_threshold": PERSIST, **kwargs.pop("zero", {})}
+    return engine_config(stage, zero=zero, **kwargs)
+
+
+def _frozen_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def _train(rank, world_size, stage, base_dtype, zero=None):
+    """The adapters after STEPS, the losses, the frozen base before and after (whole), and the
+    engine's byte counts. Every rank but 0 builds its base from another seed: initialize makes
+    every rank start from rank 0's."""
+    import zeroshard
+    from models import make_lora_model
+
+    model = make_lora_model(seed=rank, base_dtype=base_dtype)
+    engine = zeroshard.initialize(model, _config(stage, zero=zero or {}))
+    with engine.gathered_parameters():
+        before = _frozen_state(model)
+    losses = train_global_batches(model, engine, rank, world_size, STEPS)
+    with engine.gathered_parameters():
+        after = _frozen_state(model)
+        adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return dict(losses=losses, adapters=adapters, before=before, after=after, stats=engine.memory_stats(),
+                units=engine.stage3_units(), comm=engine.comm_stats(),
+                dtypes={n: p.dtype for n, p in model.named_parameters()},
+                sizes={n: p.numel() for n, p in model.named_parameters()})
+
+
+def _reference_run(base_dtype, world_size):
+    from models import global_batch, make_lora_model
+    from training import MICRO
+
+    torch.manual_seed(0)
+    model = make_lora_model(seed=0, base_dtype=base_dtype)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in STEPS:
+        loss = model.loss(global_batch(step, MICRO * world_size))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _broadcast_check(rank, world_size):
+    """Buffers and whole frozen parameters (below stage 3) also start from rank 0's."""
+    import zeroshard
+    from models import make_lora_model
+
+    model = make_lora_model(seed=rank)
+    model.register_buffer("scale", torch.full((3,), float(rank)))
+    engine = zeroshard.initialize(model, _config(2))
+    return {n: t.clone() for n, t in list(model.named_buffers()) + list(_frozen_state(model).items())}, engine.stage
+
+
+CASES = {ws: {f"stage{stage}-{dtype}": (_train, stage, dtype)
+              for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)}
+         for ws in (1, 2, 4)}
+CASES[4]["stage3-hpz"] = (_train, 3, torch.bfloat16, {"zero_hpz_partition_size": 2})
+CASES[2]["stage3-offload"] = (_train, 3, torch.float32, {"offload_param": {"device": "cpu"}})
+CASES[2]["broadcast"] = (_broadcast_check,)
+RUNS = SharedRuns(CASES)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-base", "bf16-base"])
+def test_adapters_match_adamw_and_the_frozen_base_is_untouched(world_size, stage, dtype):
+    results = RUNS.result(world_size, f"stage{stage}-{dtype}")
+    ref_losses, ref_adapters = _reference_run(dtype, world_size)
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-4), f"rank {rank}"
+        for name, value in ref_adapters.items():
+            torch.testing.assert_close(r["adapters"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} rank {rank}")
+        # Bitwise: a frozen weight is never written, and every rank holds rank 0's.
+        for name, value in results[0]["before"].items():
+            assert torch.equal(r["before"][name], value), f"{name}: rank {rank} did not start from rank 0's"
+            assert torch.equal(r["after"][name], value), f"{name} changed in training on rank {rank}"
+            assert r["after"][name].dtype == dtype, f"{name} is not kept in its own dtype"
+
+
+def _frozen_formula(result, stage, world_size):
+    """Bytes of frozen parameters one rank holds: whole below stage 3; at stage 3 each unit's
+    frozen parameters over the persistence threshold padded and sharded per dtype, the rest whole."""
+    dtypes, sizes = result["dtypes"], result["sizes"]
+    frozen = [n for n in result["before"]]
+    whole = sum(sizes[n] * dtypes[n].itemsize for n in frozen)
+    if stage < 3:
+        return whole
+    total = sum(sizes[n] * dtypes[n].itemsize for n in frozen if sizes[n] <= PERSIST)
+    for unit in result["units"]:
+        by_dtype = {}
+        for name in unit["frozen"]:
+            by_dtype[dtypes[name]] = by_dtype.get(dtypes[name], 0) + sizes[name]
+        for dtype, numel in by_dtype.items():
+            total += padded_numel(numel, world_size) // world_size * dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_frozen_bytes_per_rank_are_the_formula(world_size, stage):
+    r = RUNS.result(world_size, f"stage{stage}-{torch.bfloat16}")[0]
+    stats = r["stats"]
+    assert stats["frozen"] == _frozen_formula(r, stage, world_size)
+    assert stats["total"] == stats["params"] + stats["grads"] + stats["optimizer"] + stats["frozen"]
+    assert stats["device_frozen"] == stats["frozen"] and stats["host_frozen"] == 0
+    if stage == 3:
+        listed = {n for unit in r["units"] for n in unit["frozen"]}
+        assert listed == {n for n in r["before"] if r["sizes"][n] > PERSIST}
+        whole = sum(r["sizes"][n] * r["dtypes"][n].itemsize for n in r["before"])
+        if world_size > 1:
+            assert stats["frozen"] < whole * 0.75  # sharded, not whole
+
+
+def test_stage3_gathers_frozen_parameters_with_their_unit():
+    """The gathered peak and the all-gather traffic include the frozen buffers."""
+    r = RUNS.result(2, f"stage3-{torch.bfloat16}")[0]
+    frozen_unit_bytes = []
+    for unit in r["units"]:
+        by_dtype = {}
+        for name in unit["frozen"]:
+            by_dtype[r["dtypes"][name]] = by_dtype.get(r["dtypes"][name], 0) + r["sizes"][name]
+        frozen_unit_bytes.append(sum(padded_numel(n, 2) * d.itemsize for d, n in by_dtype.items()))
+    assert r["stats"]["gathered_peak"] >= max(frozen_unit_bytes) > 0
+    assert r["comm"]["all_gather"]["bytes"] >= sum(frozen_unit_bytes)
+
+
+def test_hpz_and_offloaded_shards_hold_frozen_parameters_too():
+    for name, world_size in (("stage3-hpz", 4), ("stage3-offload", 2)):
+        results = RUNS.result(world_size, name)
+        dtype = torch.bfloat16 if name == "stage3-hpz" else torch.float32
+        ref_losses, ref_adapters = _reference_run(dtype, world_size)
+        for r in results:
+            assert r["losses"] == pytest.approx(ref_losses, rel=1e-4), name
+            for n, value in ref_adapters.items():
+                torch.testing.assert_close(r["adapters"][n], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+            for n, value in results[0]["before"].items():
+                assert torch.equal(r["after"][n], value), f"{name}: {n} changed"
+    stats = RUNS.result(2, "stage3-offload")[0]["stats"]
+    assert stats["host_frozen"] > 0 and stats["host_frozen"] == stats["frozen"] - stats["device_frozen"]
+    hpz = RUNS.result(4, "stage3-hpz")[0]
+    # hpZ keeps 1/2 of every unit released after forward: frozen buffers included.
+    assert hpz["stats"]["secondary_peak"] >= sum(padded_numel(sum(hpz["sizes"][n] for n in u["frozen"]), 4) // 2 * 2
+                                                for u in hpz["units"] if not u["root"]) > 0
+
+
+def test_buffers_and_whole_frozen_parameters_start_from_rank_0s():
+    results = RUNS.result(2, "broadcast")
+    for name, value in results[0][0].items():
+        assert torch.equal(results[1][0][name], value), name
+    assert torch.equal(results[1][0]["scale"], torch.zeros(3))

@@ -149,7 +149,7 @@ CHECKPOINT_LOAD = {"world_size": 4, "stage": 2, "seed": 7}
 
 
 def save_without_frozen(rank, world_size, ckpt):
-    """[needs issue 30's engine] Trains CHECKPOINT_SAVE's steps, saves a checkpoint without the
+    """Trains CHECKPOINT_SAVE's steps, saves a checkpoint without the
     frozen parameters; returns the adapters (fp32 masters) it saved."""
     import zeroshard
 
@@ -161,7 +161,7 @@ def save_without_frozen(rank, world_size, ckpt):
 
 
 def load_over_another_base(rank, world_size, ckpt):
-    """[needs issue 30's engine] Loads that checkpoint into a model whose base comes from another
+    """Loads that checkpoint into a model whose base comes from another
     seed (Note [the frozen base across a checkpoint]); returns the adapters and the frozen
     parameters right after the load, and the adapters after one more step."""
     import zeroshard

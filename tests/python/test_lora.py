@@ -9,9 +9,7 @@ that peft loads (PeftModel.from_pretrained, set_peft_model_state_dict); (e) memo
 counts the frozen base per rank: whole at stages 1-2, each unit's padded shard per dtype at
 stage 3; (f) a checkpoint saved without the frozen base loads at another world size and stage
 over the base the loading run holds. Quantized bases: stage 3 refuses them, stage 2 trains
-with them whole. (e) and (f) need the engine of issue 30 (frozen parameters sharded at stage
-3, save_checkpoint's exclude_frozen_parameters): they are named "..._issue30_engine" and fail
-until it is there.
+with them whole.
 
 One spawned run per world size holds every case of that world size (spawn.SharedRuns).
 """
@@ -59,7 +57,7 @@ def runs(exports):
     cases[1]["quantized_stage3"] = (quantized_at_stage3,)
     cases[1]["deepspeed"] = (deepspeed_exports, str(exports / "deepspeed"))
     cases[2]["quantized_stage2"] = (quantized_at_stage2,)
-    # Last in their runs: they need issue 30's engine, and a failing case stops the ones after it.
+    # Last in their runs, as a failing case stops the ones after it; the load reads what the save wrote.
     cases[CHECKPOINT_SAVE["world_size"]]["checkpoint_save"] = (save_without_frozen, str(exports / "ckpt"))
     cases[CHECKPOINT_LOAD["world_size"]]["checkpoint_load"] = (load_over_another_base, str(exports / "ckpt"))
     return _Runs(cases)
@@ -161,10 +159,11 @@ def test_adapter_file_loads_into_peft_with_the_engine_logits(runs, exports, worl
 
 
 def _frozen_bytes(world_size, stage, base, units):
-    """Bytes of the frozen base one rank holds (Note in DESIGN.md, "Frozen parameters"): whole
-    below stage 3; at stage 3, per unit and dtype, the flat buffer of the unit's frozen
-    parameters of more than stage3_param_persistence_threshold elements, padded as FlatLayout
-    pads (padded_numel), divided by the world size; plus the persistent ones whole."""
+    """Bytes of the frozen base one rank holds: whole below stage 3; at stage 3, per unit and
+    dtype, the flat buffer of the unit's frozen parameters of more than
+    stage3_param_persistence_threshold elements, padded as FlatLayout pads (padded_numel),
+    divided by the world size, plus the persistent ones whole (stage3/unit_builder.h,
+    frozenBuckets and frozenWhole)."""
     frozen = [(n, p) for n, p in lora_model(base).named_parameters() if not p.requires_grad]
     if stage < 3:
         return sum(p.numel() * p.element_size() for _, p in frozen)
@@ -181,15 +180,14 @@ def _frozen_bytes(world_size, stage, base, units):
 
 
 @cases
-def test_frozen_bytes_per_rank_follow_the_formula_issue30_engine(runs, world_size, stage, base):
+def test_frozen_bytes_per_rank_follow_the_formula(runs, world_size, stage, base):
     for rank, result in enumerate(_trained(runs, world_size, stage, base)):
         memory = result["memory"]
-        assert "frozen" in memory, "memory_stats() has no 'frozen' entry (issue 30's engine)"
         assert memory["frozen"] == _frozen_bytes(world_size, stage, base, result["units"]), (rank, memory)
         assert memory["device_frozen"] == memory["frozen"] and memory["host_frozen"] == 0, (rank, memory)
 
 
-def test_checkpoint_without_frozen_loads_at_another_world_size_and_stage_issue30_engine(runs, exports):
+def test_checkpoint_without_frozen_loads_at_another_world_size_and_stage(runs, exports):
     saved = runs.result(CHECKPOINT_SAVE["world_size"], "checkpoint_save")[0]
     loaded = runs.result(CHECKPOINT_LOAD["world_size"], "checkpoint_load")
     base = CHECKPOINT_SAVE["base"]

@@ -56,13 +56,17 @@ pip_missing=()
 "$PYTHON" -c "import transformers" >/dev/null 2>&1 || pip_missing+=(transformers)
 # Issue 19's fuzz tests generate their inputs with hypothesis.
 "$PYTHON" -c "import hypothesis" >/dev/null 2>&1 || pip_missing+=(hypothesis)
+# Issue 30's LoRA tests train a real peft LoRA (peft brings accelerate) and load the adapter
+# save_16bit_model exports with peft's own PeftModel.from_pretrained. Pinned: the tests hold the
+# export to peft's adapter file names and keys, which peft has changed between releases.
+"$PYTHON" -c "import peft" >/dev/null 2>&1 || pip_missing+=(peft==0.21.2)
 command -v ninja >/dev/null 2>&1 || pip_missing+=(ninja)
 command -v cmake >/dev/null 2>&1 || pip_missing+=(cmake)
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "setup: pip: installing ${pip_missing[*]}"
   "$PYTHON" -m pip install -q "${pip_missing[@]}"
 else
-  echo "setup: pip: pytest pybind11 safetensors transformers hypothesis ninja cmake already installed"
+  echo "setup: pip: pytest pybind11 safetensors transformers hypothesis peft ninja cmake already installed"
 fi
 
 # Build (ccache keeps rebuilds cheap on 2 cores) and install in place.

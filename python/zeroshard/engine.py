@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C, auto as _auto, meta as _meta, stage3
+from zeroshard import peft_adapter as _peft_adapter, quantized as _quantized
 from zeroshard._warnings import warn_at_caller
 from zeroshard.logs import wire_logging
 from zeroshard.lr_schedule import ConfigSchedule
@@ -284,22 +285,27 @@ class Engine:
     def get_lr(self, group=0):
         return self._core.get_lr(group)
 
-    def save_16bit_model(self, save_dir, save_filename="model.safetensors", exclude_frozen_parameters=False):
-        """Writes save_dir/save_filename: the model's state dict for inference, as DeepSpeed's
-        save_16bit_model does: the module's own names, trained parameters in the compute dtype
-        (bf16/fp16 when enabled, else fp32), buffers and frozen parameters as the model holds
-        them. A ".safetensors" name writes safetensors (a tied weight once, under its first name,
-        as save_pretrained does), any other (".bin") torch.save's format. Every rank calls it;
-        rank 0 writes, streaming tensor by tensor (stage 3: one unit gathered at a time).
+    def save_16bit_model(self, save_dir, save_filename=None, exclude_frozen_parameters=False):
+        """Writes save_dir/save_filename (default model.safetensors): the model's state dict for
+        inference, as DeepSpeed's save_16bit_model does: the module's own names, trained parameters
+        in the compute dtype (bf16/fp16 when enabled, else fp32), buffers and frozen parameters as
+        the model holds them. A ".safetensors" name writes safetensors (a tied weight once, under
+        its first name, as save_pretrained does), any other (".bin") torch.save's format. Every rank
+        calls it; rank 0 writes, streaming tensor by tensor (stage 3: one unit gathered at a time).
+        A peft PeftModel with exclude_frozen_parameters=True writes its adapter as peft saves it:
+        peft's names, default adapter_model.safetensors, and adapter_config.json (peft_adapter.py).
 
         Returns True when saved. At stage 3 it needs zero_optimization.
         stage3_gather_16bit_weights_on_model_save: without it nothing is written, a warning
         says so and it returns False. docs/checkpoints.md."""
+        if exclude_frozen_parameters and _peft_adapter.is_peft_model(self.module):
+            return _peft_adapter.save_adapter(self, os.fspath(save_dir), save_filename)
         self._refresh_module_state()
         exclude = []
         if exclude_frozen_parameters:
             exclude = [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
-        return _C._save_16bit_model(self._core, os.fspath(save_dir), save_filename, exclude)["saved"]
+        return _C._save_16bit_model(self._core, os.fspath(save_dir), save_filename or "model.safetensors",
+                                    exclude)["saved"]
 
     def __getattr__(self, name):
         # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,
@@ -334,6 +340,7 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
     if process_group is None:
         process_group = init_distributed(cfg.zeroshard.collective_timeout_seconds)
     cfg = _auto.resolve(cfg, model, auto, dist.get_world_size(process_group), dist.get_rank(process_group))
+    _quantized.check_frozen_shardable(model, cfg)  # stage 3 refuses quantized frozen weights
     if lr_scheduler is not None and cfg.scheduler.enabled:
         warn_at_caller(f"zeroshard.initialize: the config's scheduler ({cfg.scheduler.type}) is not used: the "
                        "lr_scheduler passed to initialize replaces it, as in DeepSpeed")

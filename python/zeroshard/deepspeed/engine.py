@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard._warnings import warn_at_caller
+from zeroshard.peft_adapter import is_peft_model
 
 # Where the drop-in keeps DeepSpeed's counters inside zeroshard's client state.
 _STATE_KEY = "zeroshard.deepspeed"
@@ -181,10 +182,15 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_samples = counters["global_samples"]
         return path, client_state
 
-    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+    def save_16bit_model(self, save_dir, save_filename=None, exclude_frozen_parameters=False):
         """Rank 0 writes the model's weights in the compute dtype under its state_dict names (a
-        torch file for .bin names, safetensors for .safetensors). Returns True, or False with a
-        warning at stage 3 without stage3_gather_16bit_weights_on_model_save. Every rank calls it."""
+        torch file for .bin names, safetensors for .safetensors; default DeepSpeed's
+        pytorch_model.bin). Returns True, or False with a warning at stage 3 without
+        stage3_gather_16bit_weights_on_model_save. Every rank calls it. A peft PeftModel with
+        exclude_frozen_parameters=True writes its adapter as peft saves it (peft's names, default
+        adapter_model.safetensors, adapter_config.json: zeroshard.Engine.save_16bit_model)."""
+        if save_filename is None and not (exclude_frozen_parameters and is_peft_model(self.module)):
+            save_filename = "pytorch_model.bin"
         return self._engine.save_16bit_model(save_dir, save_filename=save_filename,
                                              exclude_frozen_parameters=exclude_frozen_parameters)
 

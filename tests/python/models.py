@@ -139,3 +139,25 @@ class LoraTransformer(TinyTransformer):
 def make_lora_model(seed=0, base_dtype=torch.float32, **kwargs):
     torch.manual_seed(seed)
     return LoraTransformer(base_dtype=base_dtype, **kwargs)
+
+
+class CheckpointedLoraTransformer(LoraTransformer):
+    """LoraTransformer whose blocks run under activation checkpointing (`reentrant` or not), as
+    a LoRA fine-tune of a large model does: the same values."""
+
+    def __init__(self, reentrant=False, **kwargs):
+        super().__init__(**kwargs)
+        self.reentrant = reentrant
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(tokens)
+        if self.reentrant:
+            # Reentrant checkpointing needs an input that requires grad, which peft's
+            # enable_input_require_grads() gives the embedding's output the same way.
+            x.requires_grad_(True)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        x = self.norm(x)
+        return (self.head(x) + self.gate(x) * self.odd[: self.vocab].to(x.dtype)).float()

@@ -83,6 +83,27 @@ CASES = {ws: {f"stage{stage}-{dtype}": (_train, stage, dtype)
 CASES[4]["stage3-hpz"] = (_train, 3, torch.bfloat16, {"zero_hpz_partition_size": 2})
 CASES[2]["stage3-offload"] = (_train, 3, torch.float32, {"offload_param": {"device": "cpu"}})
 CASES[2]["broadcast"] = (_broadcast_check,)
+
+
+def _checkpointed(rank, world_size, reentrant):
+    """Activation checkpointing: a block's forward runs again inside its backward (hooks on the
+    recomputed forward's inputs, too), and the block is still released after its backward."""
+    import zeroshard
+    from models import CheckpointedLoraTransformer
+
+    torch.manual_seed(0)  # as make_lora_model(seed=0)
+    model = CheckpointedLoraTransformer(reentrant=reentrant, base_dtype=torch.bfloat16, layers=6)
+    engine = zeroshard.initialize(model, _config(3))
+    losses = train_global_batches(model, engine, rank, world_size, STEPS)
+    with engine.gathered_parameters():
+        adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    units = engine.stage3_units()
+    return dict(losses=losses, adapters=adapters, peak=engine.memory_stats()["gathered_peak"], units=units,
+                sizes={n: p.numel() for n, p in model.named_parameters()})
+
+
+for _reentrant in (False, True):
+    CASES[2][f"checkpointed-{_reentrant}"] = (_checkpointed, _reentrant)
 RUNS = SharedRuns(CASES)
 
 
@@ -169,6 +190,35 @@ def test_hpz_and_offloaded_shards_hold_frozen_parameters_too():
     # hpZ keeps 1/2 of every unit released after forward: frozen buffers included.
     assert hpz["stats"]["secondary_peak"] >= sum(padded_numel(sum(hpz["sizes"][n] for n in u["frozen"]), 4) // 2 * 2
                                                 for u in hpz["units"] if not u["root"]) > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_releases_each_block_after_its_backward(reentrant):
+    from models import global_batch, make_lora_model
+    from training import MICRO
+
+    model = make_lora_model(seed=0, base_dtype=torch.bfloat16, layers=6)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+    ref = []
+    for step in STEPS:
+        loss = model.loss(global_batch(step, MICRO * 2))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        ref.append(loss.item())
+    for r in RUNS.result(2, f"checkpointed-{reentrant}"):
+        assert r["losses"] == pytest.approx(ref, rel=1e-4)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(r["adapters"][n], p.detach().float(), rtol=1e-4, atol=1e-5, msg=n)
+        # Gathered at once: the root and at most three of the six blocks (the one in backward,
+        # the next, and the one prefetched after it, before the first is released by the
+        # gradient hook on its input), as without checkpointing; held to the end of the
+        # backward, all six would be.
+        gathered = [padded_numel(u["numel"], 2) * 4 + padded_numel(u["frozen_numel"], 2) * 2 for u in r["units"]]
+        root = [g for g, u in zip(gathered, r["units"]) if u["root"]][0]
+        block = max(g for g, u in zip(gathered, r["units"]) if not u["root"])
+        assert len(gathered) == 7 and r["peak"] <= root + 3 * block, (r["peak"], root, block)
 
 
 def test_buffers_and_whole_frozen_parameters_start_from_rank_0s():

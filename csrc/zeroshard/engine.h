@@ -226,6 +226,8 @@ class Engine {
   // blocking: every rank must pass the same values (e.g. after a broadcast) or the ranks'
   // copies diverge. Everything is checked (names known, shapes equal, floating values) before
   // anything is written. The zeroshard.deepspeed GatheredParameters(modifier_rank=r) write-back.
+  // A frozen parameter's value goes into this rank's slice of it at stage 3 (its own dtype), or
+  // into the whole tensor below stage 3.
   void setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values);
 
   // Checkpoints (checkpoint/engine_checkpoint.h; the format is in checkpoint/manifest.h). Both are

@@ -8,6 +8,7 @@
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include <unordered_map>
 #include <unordered_set>
@@ -30,15 +31,38 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     const auto& params = buckets_[b].layout().params();
     for (size_t i = 0; i < params.size(); ++i) where.emplace(params[i].name, std::make_pair(b, i));
   }
+  std::unordered_map<std::string, std::pair<size_t, size_t>> frozenAt;  // stage 3's sharded ones
+  for (size_t b = 0; b < frozenBuckets_.size(); ++b) {
+    const auto& params = frozenBuckets_[b].layout().params();
+    for (size_t i = 0; i < params.size(); ++i) frozenAt.emplace(params[i].name, std::make_pair(b, i));
+  }
+  std::unordered_map<std::string, at::Tensor> frozenWhole(frozenWhole_.begin(), frozenWhole_.end());
   // Everything is checked before anything is written: a bad entry changes nothing.
   std::vector<ParamWrite> writes;
+  std::vector<ParamWrite> frozenWrites;  // bucket: a frozen bucket
+  std::vector<std::pair<at::Tensor, at::Tensor>> wholeWrites;
   std::unordered_set<std::string> seen;
   for (const auto& [name, value] : values) {
+    TORCH_CHECK(seen.insert(name).second, "zeroshard: set_parameters: '", name, "' is given twice");
+    if (const auto f = frozenAt.find(name); f != frozenAt.end()) {
+      const auto [b, i] = f->second;
+      const auto& place = frozenBuckets_[b].layout().params()[i];
+      TORCH_CHECK(value.defined() && value.sizes().vec() == place.shape, "zeroshard: set_parameters: frozen '", name,
+                  "' has shape ", c10::IntArrayRef(place.shape), " but the value given has shape ",
+                  value.defined() ? value.sizes() : c10::IntArrayRef{});
+      frozenWrites.push_back({b, i, value.detach()});
+      continue;
+    }
+    if (const auto w = frozenWhole.find(name); w != frozenWhole.end()) {
+      TORCH_CHECK(value.defined() && value.sizes() == w->second.sizes(), "zeroshard: set_parameters: frozen '", name,
+                  "' has shape ", w->second.sizes(), " but the value given has shape ",
+                  value.defined() ? value.sizes() : c10::IntArrayRef{});
+      wholeWrites.emplace_back(w->second, value.detach());
+      continue;
+    }
     const auto it = where.find(name);
     TORCH_CHECK(it != where.end(), "zeroshard: set_parameters: '", name,
-                "' is not a trained parameter of this engine (frozen parameters and buffers are not "
-                "sharded: write them in the module directly)");
-    TORCH_CHECK(seen.insert(name).second, "zeroshard: set_parameters: '", name, "' is given twice");
+                "' is not a parameter of this engine (buffers are not sharded: write them in the module directly)");
     const auto [b, i] = it->second;
     const auto& place = buckets_[b].layout().params()[i];
     TORCH_CHECK(value.defined() && value.sizes().vec() == place.shape, "zeroshard: set_parameters: '", name,
@@ -51,6 +75,13 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     writes.push_back({b, i, value.detach().to(device, dtype).reshape({-1})});
   }
 
+  {
+    at::NoGradGuard noGrad;
+    for (const auto& w : frozenWrites) frozenBuckets_[w.bucket].writeShardOf(w.param, w.value);
+    for (const auto& [target, value] : wholeWrites) {
+      if (!target.is_same(value)) target.detach().copy_(value);
+    }
+  }
   for (const auto& w : writes) {
     const Bucket& bucket = buckets_[w.bucket];
     const auto& place = bucket.layout().params()[w.param];

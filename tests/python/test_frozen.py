@@ -323,6 +323,25 @@ def _meta_case(rank, world_size):
             "bytes": (values["bytes1"], values["bytes3"])}
 
 
+def _gathered_write_case(rank, world_size):
+    """zeroshard.deepspeed's GatheredParameters(modifier_rank=0): rank 0's change to a frozen
+    weight reaches every rank's slice of it at stage 3 and stays after the gathered copy goes."""
+    import zeroshard.deepspeed as deepspeed
+    from models import make_lora_model
+
+    model = make_lora_model(seed=0, base_dtype=torch.bfloat16)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    weight = model.blocks[0].up.base.weight
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(0.5 if rank == 0 else -1.0)
+    with deepspeed.zero.GatheredParameters([weight]):
+        return weight.detach().clone()
+
+
+CASES[2]["gathered_write"] = (_gathered_write_case,)
 CASES[2]["checkpoint"] = (_checkpoint_case,)
 CASES[2]["export"] = (_export_and_load_case,)
 CASES[2]["meta"] = (_meta_case,)
@@ -355,6 +374,11 @@ def test_save_16bit_model_and_load_pretrained_carry_the_sharded_base():
         assert r["frozen_read"] == 2 * held + whole, rank
     assert results[0]["frozen_read"] + results[1]["frozen_read"] < 2 * sum(
         2 * n for name, n in results[0]["sizes"].items() if "lora_" not in name)
+
+
+def test_a_deepspeed_gathered_write_to_a_frozen_weight_is_kept():
+    for value in RUNS.result(2, "gathered_write"):
+        assert torch.equal(value, torch.full_like(value, 0.5))
 
 
 def test_meta_init_shards_the_frozen_base_with_the_values_stage_1_gives():

@@ -217,9 +217,8 @@ class DeepSpeedEngine(torch.nn.Module):
         named = sorted(named, key=lambda item: self._param_order[id(item[1])])
         src = dist.get_global_rank(self._group, modifier_rank)
         _broadcast_coalesced([p.data for _, p in named], src, self._group)
-        trained = [(name, p.data) for name, p in named if name is not None]
-        if trained:
-            self._engine.set_parameters(trained)
+        # Trained and frozen: at stage 3 both are sharded, and the gathered copy is released on exit.
+        self._engine.set_parameters([(name, p.data) for name, p in named])
 
 
 def _broadcast_coalesced(tensors, src, group):

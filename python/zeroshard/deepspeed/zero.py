@@ -8,9 +8,10 @@ DeepSpeed's context does nothing and a change made on one rank stays on it. With
 modifier_rank it is for reading: changes made inside are not kept (stage 3 releases them; below
 stage 3 the next optimizer step overwrites them).
 
-Parameters that no live engine trains (before initialize(), or frozen ones) are not sharded:
-a frozen parameter of an engine's model is broadcast from modifier_rank; the others are left
-alone, as DeepSpeed leaves parameters it did not partition.
+A frozen parameter of an engine's model (sharded at stage 3, whole below it) is broadcast from
+modifier_rank and written the same way, into this rank's slice of it at stage 3. Parameters of
+no live engine (before initialize()) are left alone, as DeepSpeed leaves parameters it did not
+partition.
 """
 
 import weakref
@@ -20,7 +21,7 @@ import torch
 from zeroshard._warnings import warn_at_caller
 
 # Set on each parameter of an engine's model by initialize(): (weakref to the DeepSpeedEngine,
-# the name the engine trains it under, or None for a frozen one). An attribute of the
+# the name the engine holds it under, trained or frozen). An attribute of the
 # parameter, as DeepSpeed's ds_id is: the context is given parameters only.
 OWNER_ATTR = "_zeroshard_deepspeed_owner"
 
@@ -28,7 +29,7 @@ OWNER_ATTR = "_zeroshard_deepspeed_owner"
 def mark_owner(engine, model):
     ref = weakref.ref(engine)
     for name, param in model.named_parameters():
-        setattr(param, OWNER_ATTR, (ref, name if param.requires_grad else None))
+        setattr(param, OWNER_ATTR, (ref, name))
 
 
 class GatheredParameters:

@@ -13,7 +13,8 @@ import torch._dynamo as _dynamo  # noqa: F401,E402
 
 from zeroshard import _C
 from zeroshard.comm import Communicator
-from zeroshard.engine import Engine, initialize
+from zeroshard.engine import Engine
+from zeroshard.initialization import initialize
 from zeroshard.launch import init_distributed
 from zeroshard.pretrained import PretrainedLoad
 

@@ -228,6 +228,7 @@ void bindEngine(py::module_& m) {
            "[(name, tensor)], sharded with their units at stage 3.")
       .def("pre_forward", &Engine::preForward, "unit"_a, "inputs"_a = py::none(),
            py::call_guard<py::gil_scoped_release>())
+      .def("watches_inputs", &Engine::watchesInputs, "unit"_a)
       .def("broadcast_module_state", &Engine::broadcastModuleState, py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &Engine::postForward, "unit"_a, "outputs"_a,
            py::call_guard<py::gil_scoped_release>())

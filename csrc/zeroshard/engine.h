@@ -204,6 +204,8 @@ class Engine {
   // forward inputs, which tell when its backward is done (a unit with frozen parameters is
   // released then; without them, at the end of the backward: UnitScheduler::watchInputs).
   void preForward(size_t unitSpec, const std::optional<std::vector<at::Tensor>>& inputs = std::nullopt);
+  // Whether preForward uses the unit's inputs (it holds frozen parameters; not the root).
+  bool watchesInputs(size_t unitSpec) const;
   void postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs);
   // Stage 3 for C++ programs: runs `forward` as unit `unitSpec` (gathered before, released after,
   // gathered again for its backward). Below stage 3 it just runs `forward`.

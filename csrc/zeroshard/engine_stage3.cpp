@@ -27,6 +27,13 @@ void Engine::postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs
   if (specToUnit_[unitSpec]) units_->postForward(*specToUnit_[unitSpec], outputs);
 }
 
+bool Engine::watchesInputs(size_t unitSpec) const {
+  TORCH_CHECK(units_, "zeroshard: unit hooks are for stage 3; this engine runs stage ", stage());
+  TORCH_CHECK(unitSpec < specToUnit_.size(), "zeroshard: unit ", unitSpec, " does not exist (",
+              specToUnit_.size(), " units)");
+  return specToUnit_[unitSpec] && units_->watchesInputs(*specToUnit_[unitSpec]);
+}
+
 at::Tensor Engine::runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward) {
   if (!units_) return forward();
   preForward(unitSpec);

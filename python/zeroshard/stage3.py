@@ -7,7 +7,7 @@ hooks; the gathering, prefetching and releasing happen in C++ (csrc/zeroshard/st
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from zeroshard import _C
 
@@ -46,16 +46,36 @@ def _tensors(output):
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
 
 
+def _pre_forward(core, index, watches):
+    """The pre-hook of unit `index`. A unit that watches its inputs (it holds frozen parameters)
+    gets a view of each input that requires grad: the gradient hook on the view fires once this
+    unit's backward has computed its part of the input's gradient, so the unit is released
+    before the backward of the unit before it starts and prefetches (a hook on the input itself
+    would fire after that one, which is registered first; FSDP2 puts an autograd function there)."""
+
+    def hook(_module, args, kwargs):
+        if not watches:
+            core.pre_forward(index)
+            return None
+        if torch.is_grad_enabled():
+            def view(t):
+                return t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+            args, kwargs = tree_map(view, args), tree_map(view, kwargs)
+        core.pre_forward(index, _tensors((args, kwargs)))
+        return args, kwargs
+
+    return hook
+
+
 def install_hooks(core, model, units):
     """Forward pre/post hooks on each unit and on the model (the root unit, index len(units)).
-    The pre-hook passes the unit's inputs: a unit holding frozen parameters is released in
+    The pre-hook of a unit holding frozen parameters passes its inputs: it is released in
     backward once their gradients are computed (stage3/unit_scheduler.cpp, Note [release after
     backward])."""
     handles = []
     for index, module in enumerate([m for _, m in units] + [model]):
-        handles.append(module.register_forward_pre_hook(
-            lambda _module, args, kwargs, index=index: core.pre_forward(index, _tensors((args, kwargs))),
-            with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(_pre_forward(core, index, core.watches_inputs(index)),
+                                                        with_kwargs=True))
         handles.append(module.register_forward_hook(
             lambda _module, _args, output, index=index: core.post_forward(index, _tensors(output))))
     return handles

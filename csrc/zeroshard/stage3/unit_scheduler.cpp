@@ -321,6 +321,7 @@ void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& o
 // goes root, last block, ..., first block, as FSDP2's post-forward order does.
 void UnitScheduler::preBackward(UnitIndex unit) {
   const size_t u = unit.value;
+  inBackward_ = true;
   if (!recording_ && backwardPos_ == postOrder_.size()) markPassStart(buffers_[u].front()->flatParams());
   unshard(u);
   if (recording_) return;
@@ -356,7 +357,12 @@ void UnitScheduler::afterGradReduce(UnitIndex unit) {
 
 void UnitScheduler::watchInputs(UnitIndex unit, const std::vector<at::Tensor>& inputs) {
   const size_t u = unit.value;
-  if (!hasFrozen_.at(u) || policies_[u].root || !c10::GradMode::is_enabled()) return;
+  if (!watchesInputs(unit) || !c10::GradMode::is_enabled()) return;
+  // A forward run again inside the backward (activation checkpointing) of a unit whose forward
+  // was watched: its inputs' hooks are the forward's, which fire; the recomputation's inputs
+  // (non-reentrant: recomputed views) get no gradient. Reentrant checkpointing's forward ran
+  // without grad and watched nothing: its recomputation is watched, and its backward fires them.
+  if (inBackward_ && inputsWatched_[u]) return;
   inputsWatched_[u] = true;
   for (const auto& input : inputs) {
     if (!input.defined() || !input.requires_grad()) continue;
@@ -381,6 +387,7 @@ void UnitScheduler::finishBackward() {
   std::fill(inputsWatched_.begin(), inputsWatched_.end(), false);
   std::fill(inputGradsPending_.begin(), inputGradsPending_.end(), 0);
   std::fill(gradsReduced_.begin(), gradsReduced_.end(), false);
+  inBackward_ = false;
   if (recording_) {
     checkOrderAcrossRanks();
     recording_ = false;

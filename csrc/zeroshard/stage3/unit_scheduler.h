@@ -83,6 +83,8 @@ class UnitScheduler final : public ParamStorage {
   // its trained parameters' are reduced), Note [release after backward]. A unit whose inputs
   // were never given stays gathered until the end of the backward.
   void watchInputs(UnitIndex unit, const std::vector<at::Tensor>& inputs);
+  // Whether watchInputs() does anything for the unit: it holds frozen parameters and is not the root.
+  bool watchesInputs(UnitIndex unit) const { return hasFrozen_.at(unit.value) && !policies_.at(unit.value).root; }
   // Registers a pre-backward hook on every output that requires grad, then frees the unit's
   // parameters if its policy says so.
   void postForward(UnitIndex unit, const std::vector<at::Tensor>& outputs);
@@ -186,6 +188,7 @@ class UnitScheduler final : public ParamStorage {
   std::vector<bool> inputsWatched_;
   std::vector<int64_t> inputGradsPending_;
   std::vector<bool> gradsReduced_;
+  bool inBackward_ = false;  // a unit's backward began since the last finishBackward()
   std::vector<std::pair<size_t, CommHandle>> refreshing_;  // kept units' gathers after a step (trained only)
   // The stream each gathered unit's storage was allocated on (Note [release after use]).
   std::vector<std::optional<c10::Stream>> allocStreams_;

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "zeroshard/comm/process_group.h"
@@ -407,33 +406,6 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
     }
   }
   return out;
-}
-
-void Engine::setModuleState(ModuleState state) {
-  checkModuleState(state, buckets_);
-  moduleState_ = std::move(state);
-}
-
-void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict) {
-  setModuleState(moduleStateOf(stateDict, buckets_, frozenBuckets_, frozenWhole_));
-}
-
-void Engine::broadcastModuleState() {
-  const UncountedCollectives uncounted(comm_);
-  at::NoGradGuard noGrad;
-  std::vector<std::pair<at::Tensor, at::Tensor>> sent;  // (the module's tensor, what is broadcast)
-  std::vector<CommHandle> handles;
-  for (const auto& [name, t] : moduleState_.tensors) {
-    if (t.is_meta() || t.numel() == 0) continue;
-    at::Tensor data = t.detach();
-    at::Tensor buffer = data.is_contiguous() ? data : data.contiguous();
-    handles.push_back(comm_.broadcast(buffer, 0));
-    sent.emplace_back(data, buffer);
-  }
-  for (auto& h : handles) h.wait();
-  for (auto& [data, buffer] : sent) {
-    if (!buffer.is_same(data)) data.copy_(buffer);
-  }
 }
 
 } // namespace zeroshard

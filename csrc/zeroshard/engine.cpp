@@ -214,6 +214,7 @@ void Engine::backward(const at::Tensor& loss) {
     torch::autograd::backward({scaled});
   } catch (...) {
     reducer_->abortBackward();
+    params_->abortBackward();
     throw;
   }
   reducer_->finishBackward();

@@ -11,6 +11,7 @@
 // file appears under its own name (one rename, after fsync) only when complete.
 #include "zeroshard/engine.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "zeroshard/checkpoint/checked_file.h"
@@ -97,7 +98,23 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
       } else {
         end = exported.tensors.size();
       }
-      const bool gathered = unit >= 0 && units_->gatherUnit(UnitIndex{static_cast<size_t>(unit)});
+      // A run of trained parameters only (an adapter export) of a unit that also holds frozen
+      // ones gathers the trained bucket alone, into a buffer of its own: the frozen base is not
+      // moved to write the adapters.
+      const bool needsFrozen = std::any_of(exported.sources.begin() + static_cast<std::ptrdiff_t>(i),
+                                           exported.sources.begin() + static_cast<std::ptrdiff_t>(end),
+                                           [](const ExportSource& s) { return s.frozenBucket.has_value(); });
+      const bool alone = unit >= 0 && !needsFrozen && units_->hasFrozen(UnitIndex{static_cast<size_t>(unit)}) &&
+                         !units_->isUnsharded(UnitIndex{static_cast<size_t>(unit)});
+      at::Tensor aloneFlat;
+      if (alone) {
+        const Bucket& b = buckets_[*exported.sources[i].bucket];
+        aloneFlat = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
+        const at::Tensor shard = b.paramShard().to(aloneFlat.device());
+        shardComm().allGather(shard, aloneFlat).wait();
+        result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, static_cast<int64_t>(aloneFlat.nbytes()));
+      }
+      const bool gathered = unit >= 0 && !alone && units_->gatherUnit(UnitIndex{static_cast<size_t>(unit)});
       if (units_) result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, units_->gatheredBytes());
       if (writes && writeError.empty()) {
         try {
@@ -106,7 +123,8 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
             if (source.bucket) {
               const Bucket& b = buckets_[*source.bucket];
               const auto& place = b.layout().params()[source.param];
-              const at::Tensor value = b.flatParams().narrow(0, place.offset, place.numel);
+              const at::Tensor& flat = alone ? aloneFlat : b.flatParams();
+              const at::Tensor value = flat.narrow(0, place.offset, place.numel);
               writer->write(value.view(place.shape));
               progress.advance(static_cast<int64_t>(value.nbytes()));
             } else if (source.frozenBucket) {

@@ -20,8 +20,9 @@ namespace zeroshard {
 class ParamStorage {
  public:
   virtual ~ParamStorage() = default;
-  // End of a backward (stage 3: what is still gathered is released).
+  // End of a backward (stage 3: what is still gathered is released), or of one that raised.
   virtual void finishBackward() {}
+  virtual void abortBackward() {}
   // The optimizer step wrote this rank's part of the parameters: make them whole where they are
   // kept whole. Blocking. The same, bucket by bucket: afterStepOf(b) starts bucket b's
   // gather (offload calls it as each bucket's update is copied back, so the gather overlaps the

@@ -74,6 +74,7 @@ UnitScheduler::UnitScheduler(std::vector<Bucket>& trained, std::vector<Bucket>& 
   secondaryShards_.resize(n);
   allocStreams_.resize(n);
   inputsWatched_.assign(n, false);
+  unwatchable_.assign(n, false);
   inputGradsPending_.assign(n, 0);
   gradsReduced_.assign(n, false);
   for (size_t u = 0; u < n; ++u) {
@@ -281,7 +282,11 @@ void UnitScheduler::preForward(UnitIndex unit) {
     order_.push_back(u);
   } else if (!recording_ && training) {
     if (forwardPos_ == order_.size()) forwardPos_ = 0;  // a forward that had no backward
-    if (forwardPos_ == 0) markPassStart(buffers_[u].front()->flatParams());
+    if (forwardPos_ == 0) {
+      markPassStart(buffers_[u].front()->flatParams());
+      // A forward whose graph was dropped without a backward left watches that never fire.
+      if (!inBackward_) resetWatches();
+    }
     TORCH_CHECK(forwardPos_ < order_.size() && order_[forwardPos_] == u, "zeroshard stage 3: unit '", nameOf(u),
                 "' ran at position ", forwardPos_, " of this forward, but the first step ran ",
                 forwardPos_ < order_.size() ? "'" + nameOf(order_[forwardPos_]) + "'" : std::string("no unit"),
@@ -309,7 +314,7 @@ void UnitScheduler::postForward(UnitIndex unit, const std::vector<at::Tensor>& o
   // backward: backward prefetch passes it by.
   if (recording_ && c10::GradMode::is_enabled() && hooked) postOrder_.push_back(u);
   if (policies_[u].reshardAfterForward || !c10::GradMode::is_enabled()) {
-    reshard(u, /*keepSecondary=*/c10::GradMode::is_enabled());
+    reshard(u, /*keepSecondary=*/hooked);  // hpZ: only a unit with a backward gathers again
   }
 }
 
@@ -341,10 +346,13 @@ void UnitScheduler::preBackward(UnitIndex unit) {
 // its inputs (a hook on each input that requires grad fires once that input's gradient is
 // whole, after the unit's backward). Inside a LoRA layer the base weight's input-gradient
 // matmul runs after the adapters' gradients are ready, so releasing on those alone would free
-// it too early. A unit whose inputs need no gradient computes only its trained parameters'
-// (the first decoder layer after a frozen embedding). Not so the root unit, which encloses the
-// others (gradients computed with its frozen weights flow into other units), nor a unit whose
-// inputs were not given (a C++ runUnit): those are released at the end of the backward.
+// it too early. Released at the end of the backward instead: a unit whose inputs need no
+// gradient (the first decoder layer after a frozen embedding: its frozen weights may still feed
+// the gradient of a trained parameter outside its bucket, a persistent norm weight, which
+// the reducer does not wait for), the root unit, which encloses the others (gradients computed
+// with its frozen weights flow into other units), and a unit whose inputs were not given (a C++
+// runUnit). A backward that raises, or a forward dropped without one, leaves no watch behind
+// (abortBackward(), and the reset at the next training forward's first unit).
 void UnitScheduler::afterGradReduce(UnitIndex unit) {
   const size_t u = unit.value;
   if (!hasFrozen_.at(u)) {
@@ -363,12 +371,18 @@ void UnitScheduler::watchInputs(UnitIndex unit, const std::vector<at::Tensor>& i
   // (non-reentrant: recomputed views) get no gradient. Reentrant checkpointing's forward ran
   // without grad and watched nothing: its recomputation is watched, and its backward fires them.
   if (inBackward_ && inputsWatched_[u]) return;
-  inputsWatched_[u] = true;
+  bool any = false;
   for (const auto& input : inputs) {
     if (!input.defined() || !input.requires_grad()) continue;
     ++inputGradsPending_[u];
     input.register_hook([this, u](const at::TensorBase&) { inputGradReady(u); });
+    any = true;
   }
+  // Inputs that need no gradient say nothing about when the unit's backward ends (its frozen
+  // weights may still feed a gradient of a trained parameter of another unit, a persistent
+  // norm): such a forward leaves the unit to the end of the backward, as FSDP2 does.
+  inputsWatched_[u] = true;
+  if (!any) unwatchable_[u] = true;
 }
 
 void UnitScheduler::inputGradReady(size_t u) {
@@ -377,17 +391,29 @@ void UnitScheduler::inputGradReady(size_t u) {
 }
 
 void UnitScheduler::releaseAfterBackward(size_t u) {
-  if (!inputsWatched_[u] || inputGradsPending_[u] > 0) return;
+  if (!inputsWatched_[u] || unwatchable_[u] || inputGradsPending_[u] > 0) return;
   if (trainedOf_[u] && !gradsReduced_[u]) return;
   reshard(u);
 }
 
-void UnitScheduler::finishBackward() {
-  for (size_t u = 0; u < buffers_.size(); ++u) reshard(u);
+void UnitScheduler::resetWatches() {
   std::fill(inputsWatched_.begin(), inputsWatched_.end(), false);
+  std::fill(unwatchable_.begin(), unwatchable_.end(), false);
   std::fill(inputGradsPending_.begin(), inputGradsPending_.end(), 0);
   std::fill(gradsReduced_.begin(), gradsReduced_.end(), false);
   inBackward_ = false;
+}
+
+void UnitScheduler::abortBackward() {
+  for (size_t u = 0; u < buffers_.size(); ++u) reshard(u);
+  resetWatches();
+  forwardPos_ = 0;
+  backwardPos_ = postOrder_.size();
+}
+
+void UnitScheduler::finishBackward() {
+  for (size_t u = 0; u < buffers_.size(); ++u) reshard(u);
+  resetWatches();
   if (recording_) {
     checkOrderAcrossRanks();
     recording_ = false;

@@ -83,6 +83,7 @@ class UnitScheduler final : public ParamStorage {
   // its trained parameters' are reduced), Note [release after backward]. A unit whose inputs
   // were never given stays gathered until the end of the backward.
   void watchInputs(UnitIndex unit, const std::vector<at::Tensor>& inputs);
+  bool hasFrozen(UnitIndex unit) const { return hasFrozen_.at(unit.value); }
   // Whether watchInputs() does anything for the unit: it holds frozen parameters and is not the root.
   bool watchesInputs(UnitIndex unit) const { return hasFrozen_.at(unit.value) && !policies_.at(unit.value).root; }
   // Registers a pre-backward hook on every output that requires grad, then frees the unit's
@@ -97,6 +98,8 @@ class UnitScheduler final : public ParamStorage {
   void afterBucketReduce(size_t bucket) { afterGradReduce(UnitIndex{unitOfBucket_.at(bucket)}); }
   // End of a backward: releases what is still gathered, checks the order once.
   void finishBackward() override;
+  // A backward that raised: releases what is gathered and forgets the pass's watches.
+  void abortBackward() override;
   // After the optimizer step: kept-gathered units all-gather their updated shards (the others
   // gather from their shards when next used).
   void refreshKeptUnits();
@@ -164,6 +167,7 @@ class UnitScheduler final : public ParamStorage {
   void finished(size_t u);
   const std::string& nameOf(size_t unit) const;
   void inputGradReady(size_t unit);
+  void resetWatches();
   void releaseAfterBackward(size_t unit);
 
   // Every unit's buffers, its trained one first (the engine owns them).
@@ -186,6 +190,7 @@ class UnitScheduler final : public ParamStorage {
   // watched, how many of their gradients are still to come, and whether its trained
   // parameters' gradients were reduced.
   std::vector<bool> inputsWatched_;
+  std::vector<bool> unwatchable_;  // a forward of it had no input that requires grad
   std::vector<int64_t> inputGradsPending_;
   std::vector<bool> gradsReduced_;
   bool inBackward_ = false;  // a unit's backward began since the last finishBackward()

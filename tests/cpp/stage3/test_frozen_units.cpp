@@ -143,15 +143,16 @@ struct LoraStage3 {
           return options;
         }()) {}
 
-  // One step; `watch`: the lora unit's input is given (as the Python hooks do). Returns whether
-  // the lora unit was still gathered when the block's backward began, and p0's gradient.
-  std::pair<bool, at::Tensor> step(const LoraNet& net, bool watch) {
+  // One step; `watch`: the lora unit's input is given (as the Python hooks do); `constantInput`:
+  // what it is given is a tensor that needs no gradient. Returns whether the lora unit was still
+  // gathered when the block's backward began, and p0's gradient.
+  std::pair<bool, at::Tensor> step(const LoraNet& net, bool watch, bool constantInput = false) {
     const UnitIndex block{0}, lora{1}, root{2};
     scheduler.preForward(root);
     scheduler.preForward(block);
     at::Tensor x = net.param(0) * at::arange(16, at::kFloat).remainder(3).sub(1);
     scheduler.postForward(block, {x});
-    if (watch) scheduler.watchInputs(lora, {x});
+    if (watch) scheduler.watchInputs(lora, {constantInput ? at::ones({16}) : x});
     scheduler.preForward(lora);
     at::Tensor y = net.w * x + net.param(1) * at::full({16}, 2.0);
     scheduler.postForward(lora, {y});
@@ -191,10 +192,16 @@ TEST_CASE("a unit with frozen parameters is released once its input gradients ar
     CHECK_FALSE(gathered);
     for (size_t u = 0; u < 3; ++u) CHECK_FALSE(s.scheduler.isUnsharded(UnitIndex{u}));
   }
-  // Without its inputs (a C++ runUnit) the unit is held until the end of the backward.
-  const auto [gathered, grad] = s.step(net, /*watch=*/false);
-  CHECK(gathered);
-  CHECK(at::allclose(grad.narrow(0, 0, 16), expected));
+  // Without its inputs (a C++ runUnit), or with inputs that need no gradient (which say nothing
+  // of when its backward ends), the unit is held until the end of the backward.
+  for (const bool constant : {false, true}) {
+    INFO("inputs given: " << constant);
+    const auto [gathered, grad] = s.step(net, /*watch=*/constant, constant);
+    CHECK(gathered);
+    CHECK(at::allclose(grad.narrow(0, 0, 16), expected));
+  }
+  // And the next step, watched again, releases it early again (no watch left behind).
+  CHECK_FALSE(s.step(net, /*watch=*/true).first);
   CHECK(s.scheduler.frozenBytes() == net.units.frozenBuckets[0].layout().paddedNumel() * 4);
   CHECK(s.scheduler.bytes() > 0);
 }

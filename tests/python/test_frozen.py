@@ -341,6 +341,30 @@ def _gathered_write_case(rank, world_size):
         return weight.detach().clone()
 
 
+def _batches(step, rank, world_size):
+    from models import global_batch
+
+    tokens = global_batch(step, 4 * world_size)
+    return tokens[4 * rank:4 * rank + 2], tokens[4 * rank + 2:4 * rank + 4]
+
+
+def _two_forwards_case(rank, world_size):
+    """Two forwards (two losses summed) before one backward: each unit holding frozen weights
+    waits for both forwards' input gradients."""
+    import zeroshard
+    from models import make_lora_model
+
+    model = make_lora_model(seed=0, base_dtype=torch.bfloat16)
+    engine = zeroshard.initialize(model, _config(3, micro=4))
+    for step in STEPS:
+        first, second = _batches(step, rank, world_size)
+        engine.backward(model.loss(first) + model.loss(second))
+        engine.step()
+    with engine.gathered_parameters():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+CASES[2]["two_forwards"] = (_two_forwards_case,)
 CASES[2]["gathered_write"] = (_gathered_write_case,)
 CASES[2]["checkpoint"] = (_checkpoint_case,)
 CASES[2]["export"] = (_export_and_load_case,)
@@ -374,6 +398,23 @@ def test_save_16bit_model_and_load_pretrained_carry_the_sharded_base():
         assert r["frozen_read"] == 2 * held + whole, rank
     assert results[0]["frozen_read"] + results[1]["frozen_read"] < 2 * sum(
         2 * n for name, n in results[0]["sizes"].items() if "lora_" not in name)
+
+
+def test_two_forwards_before_one_backward_match_adamw():
+    from models import make_lora_model
+
+    model = make_lora_model(seed=0, base_dtype=torch.bfloat16)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+    for step in STEPS:
+        loss = sum(model.loss(first) + model.loss(second) for first, second in
+                   (_batches(step, rank, 2) for rank in range(2))) / 2
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    for adapters in RUNS.result(2, "two_forwards"):
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(adapters[n], p.detach().float(), rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_a_deepspeed_gathered_write_to_a_frozen_weight_is_kept():

@@ -285,6 +285,7 @@ void UnitScheduler::preForward(UnitIndex unit) {
     if (forwardPos_ == 0) {
       markPassStart(buffers_[u].front()->flatParams());
       // A forward whose graph was dropped without a backward left watches that never fire.
+      // (Several forwards before one backward are one pass: the first step recorded them all.)
       if (!inBackward_) resetWatches();
     }
     TORCH_CHECK(forwardPos_ < order_.size() && order_[forwardPos_] == u, "zeroshard stage 3: unit '", nameOf(u),
@@ -352,7 +353,7 @@ void UnitScheduler::preBackward(UnitIndex unit) {
 // the reducer does not wait for), the root unit, which encloses the others (gradients computed
 // with its frozen weights flow into other units), and a unit whose inputs were not given (a C++
 // runUnit). A backward that raises, or a forward dropped without one, leaves no watch behind
-// (abortBackward(), and the reset at the next training forward's first unit).
+// (abortBackward(), and the reset at the first unit of the next training forward).
 void UnitScheduler::afterGradReduce(UnitIndex unit) {
   const size_t u = unit.value;
   if (!hasFrozen_.at(u)) {

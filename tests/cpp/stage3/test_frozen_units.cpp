@@ -205,3 +205,40 @@ TEST_CASE("a unit with frozen parameters is released once its input gradients ar
   CHECK(s.scheduler.frozenBytes() == net.units.frozenBuckets[0].layout().paddedNumel() * 4);
   CHECK(s.scheduler.bytes() > 0);
 }
+
+TEST_CASE("with two forwards before one backward, a frozen unit waits for both forwards' input gradients",
+          "[unit_scheduler]") {
+  LoraNet net;
+  LoraStage3 s(net);
+  const UnitIndex block{0}, lora{1}, root{2};
+  const at::Tensor input = at::arange(16, at::kFloat).remainder(3).sub(1);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    // Two losses summed: each forward watches its own input. In each backward the adapter's
+    // gradient (the sum of both forwards') is reduced before the first forward's w * x runs.
+    std::vector<bool> gatheredAtUse;
+    at::Tensor loss;
+    for (int pass = 0; pass < 2; ++pass) {
+      s.scheduler.preForward(root);
+      s.scheduler.preForward(block);
+      at::Tensor x = net.param(0) * input;
+      s.scheduler.postForward(block, {x});
+      s.scheduler.watchInputs(lora, {x});
+      s.scheduler.preForward(lora);
+      at::Tensor wx = net.w * x;
+      wx.register_hook([&](const at::TensorBase&) { gatheredAtUse.push_back(s.scheduler.isUnsharded(lora)); });
+      at::Tensor y = wx + net.param(1) * at::full({16}, 2.0);
+      s.scheduler.postForward(lora, {y});
+      at::Tensor part = (y * net.param(2)).sum();
+      s.scheduler.postForward(root, {part});
+      loss = pass == 0 ? part : loss + part;
+    }
+    s.reducer.beginBackward(true);
+    loss.backward();
+    s.reducer.finishBackward();
+    s.scheduler.finishBackward();
+    CHECK(at::allclose(s.grads->optimizerGrad(0).narrow(0, 0, 16), 2 * net.headValue * net.wValue * input));
+    s.grads->zero();
+    CHECK(gatheredAtUse == std::vector<bool>{true, true});
+  }
+}

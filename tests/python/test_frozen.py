@@ -288,15 +288,26 @@ def _export_and_load_case(rank, world_size):
     model = make_lora_model(seed=0, base_dtype=torch.bfloat16)
     engine = zeroshard.initialize(model, _config(3, zero={"stage3_gather_16bit_weights_on_model_save": True}))
     engine.save_16bit_model(_shared_dir("export"), "model.safetensors")
+    # Without the frozen parameters (an adapter export) each unit's trained bucket is gathered alone.
+    from zeroshard import _C
+
+    frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
+    adapter_stats = _C._save_16bit_model(engine._core, _shared_dir("export"), "adapters.safetensors", frozen_names)
     with engine.gathered_parameters():
         base = _frozen_state(model)
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    written_adapters = load_file(f"{_shared_dir('export')}/adapters.safetensors")
     written = load_file(f"{_shared_dir('export')}/model.safetensors")
     other = make_lora_model(seed=9, base_dtype=torch.bfloat16)
     loader = zeroshard.initialize(other, _config(3))
     loader.load_pretrained(_shared_dir("export"))
     with loader.gathered_parameters():
         loaded = _frozen_state(other)
+    trained_units = [padded_numel(u["numel"], world_size) * 4 for u in engine.stage3_units()]
     return {"written": all(torch.equal(written[k], v) for k, v in base.items()),
+            "adapters": sorted(written_adapters) == sorted(adapters) and
+            all(torch.equal(written_adapters[k], v) for k, v in adapters.items()),
+            "adapter_peak": (adapter_stats["gathered_peak"], max(trained_units)),
             "loaded": all(torch.equal(loaded[k], v) for k, v in base.items()),
             "frozen_read": loader.last_load_stats()["module_state_bytes_read"],
             "frozen_held": loader.memory_stats()["frozen"], "units": loader.stage3_units(),
@@ -384,7 +395,9 @@ def test_checkpoints_save_the_sharded_base_or_exclude_it():
 def test_save_16bit_model_and_load_pretrained_carry_the_sharded_base():
     results = RUNS.result(2, "export")
     for r in results:
-        assert r["written"] and r["loaded"]
+        assert r["written"] and r["loaded"] and r["adapters"]
+        peak, largest_trained_bucket = r["adapter_peak"]
+        assert peak == largest_trained_bucket, "an adapter export gathered frozen buffers too"
     # Each rank read exactly the frozen slices it keeps (bf16: 2 bytes), and whole the ones at or
     # under the threshold, which are no unit's.
     for rank, r in enumerate(results):

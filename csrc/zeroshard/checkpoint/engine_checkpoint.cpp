@@ -152,11 +152,6 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
   return m;
 }
 
-std::string describeBatch(int64_t train, int64_t micro, int64_t accumulation, int64_t world) {
-  return std::to_string(train) + " (" + std::to_string(micro) + " per rank x " + std::to_string(accumulation) +
-         " accumulation step" + (accumulation == 1 ? "" : "s") + " x " + std::to_string(world) + " rank" +
-         (world == 1 ? "" : "s") + ")";
-}
 
 void checkCheckpointMatches(const CheckpointedState& s, const CheckpointManifest& m, bool sameGroups) {
   const std::string where = "checkpoint '" + m.tag + "'";
@@ -230,72 +225,6 @@ at::Tensor readFrozenShard(const CheckpointedState& s, CheckpointReader& reader,
 }
 
 } // namespace
-
-bool ModuleState::isFrozen(const std::string& name) const {
-  return std::find(frozen.begin(), frozen.end(), name) != frozen.end();
-}
-
-ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
-                          const std::vector<Bucket>& buckets, const std::vector<Bucket>& frozenBuckets,
-                          const std::vector<std::pair<std::string, at::Tensor>>& frozenWhole) {
-  std::unordered_map<const void*, const std::string*> trained;
-  for (const auto& b : buckets) {
-    for (size_t i = 0; i < b.size(); ++i) trained.emplace(b.params()[i].unsafeGetTensorImpl(), &b.layout().params()[i].name);
-  }
-  std::unordered_map<const void*, std::pair<size_t, size_t>> sharded;
-  for (size_t b = 0; b < frozenBuckets.size(); ++b) {
-    for (size_t i = 0; i < frozenBuckets[b].size(); ++i) {
-      sharded.emplace(frozenBuckets[b].params()[i].unsafeGetTensorImpl(), std::make_pair(b, i));
-    }
-  }
-  std::unordered_set<const void*> whole;
-  for (const auto& [name, p] : frozenWhole) whole.insert(p.unsafeGetTensorImpl());
-  ModuleState state;
-  for (const auto& [key, tensor] : stateDict) {
-    state.keys.push_back(key);
-    const void* impl = tensor.defined() ? tensor.unsafeGetTensorImpl() : nullptr;
-    auto it = impl ? trained.find(impl) : trained.end();
-    if (it != trained.end()) {
-      if (*it->second != key) state.aliases.emplace_back(key, *it->second);
-      continue;
-    }
-    auto frozen = impl ? sharded.find(impl) : sharded.end();
-    if (frozen != sharded.end()) {
-      state.sharded.push_back({key, frozen->second.first, frozen->second.second});
-      state.frozen.push_back(key);
-      continue;
-    }
-    state.tensors.emplace_back(key, tensor);
-    if (impl && whole.count(impl)) state.frozen.push_back(key);
-  }
-  return state;
-}
-
-void checkModuleState(const ModuleState& state, const std::vector<Bucket>& buckets) {
-  std::unordered_set<std::string> trained;
-  for (const auto& b : buckets) {
-    for (const auto& p : b.layout().params()) trained.insert(p.name);
-  }
-  std::unordered_set<std::string> known(trained);
-  for (const auto& [name, tensor] : state.tensors) {
-    TORCH_CHECK(tensor.defined(), "zeroshard: module state '", name, "' is undefined");
-    TORCH_CHECK(known.insert(name).second, "zeroshard: module state '", name,
-                "' is also a trained parameter or appears twice");
-  }
-  for (const auto& entry : state.sharded) {
-    TORCH_CHECK(known.insert(entry.name).second, "zeroshard: frozen parameter '", entry.name,
-                "' is also a trained parameter or appears twice");
-  }
-  for (const auto& [alias, target] : state.aliases) {
-    TORCH_CHECK(trained.count(target), "zeroshard: state-dict name '", alias, "' refers to '", target,
-                "', which is not a trained parameter");
-    TORCH_CHECK(known.insert(alias).second, "zeroshard: state-dict name '", alias, "' appears twice");
-  }
-  for (const auto& key : state.keys) {
-    TORCH_CHECK(known.count(key), "zeroshard: state-dict name '", key,
-                "' is neither a trained parameter, an alias nor a module-state tensor");
-  }
-}
 
 std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const std::string& tagIn,
                            const std::string& clientState, const std::string& rankError, bool excludeFrozen) {
@@ -490,27 +419,6 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
   }
   progress.finish();
   return loaded;
-}
-
-std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchSizes& batch, int worldSize) {
-  if (!m.batch || m.batch->train == batch.train) return std::nullopt;
-  const auto& saved = *m.batch;
-  std::string text = "zeroshard checkpoint '" + m.tag + "': saved with a global batch of " +
-                     describeBatch(saved.train, saved.microPerRank, saved.accumulationSteps, saved.worldSize) +
-                     ", resumed with " +
-                     describeBatch(batch.train, batch.microPerRank, batch.accumulationSteps, worldSize) +
-                     ": the run goes on with another batch (and so another effective learning rate); ";
-  const int64_t perStep = batch.microPerRank * worldSize;
-  if (saved.train % perStep == 0) {
-    text += "gradient_accumulation_steps " + std::to_string(saved.train / perStep) + " keeps the global batch of " +
-            std::to_string(saved.train);
-  } else {
-    text += "no gradient_accumulation_steps keeps " + std::to_string(saved.train) + " at " +
-            std::to_string(batch.microPerRank) + " per rank on " + std::to_string(worldSize) + " ranks (" +
-            std::to_string(saved.train) + " is not a multiple of " + std::to_string(perStep) +
-            "); change train_micro_batch_size_per_gpu too";
-  }
-  return text;
 }
 
 } // namespace zeroshard

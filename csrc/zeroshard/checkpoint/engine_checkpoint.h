@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "zeroshard/checkpoint/module_state.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/layout/bucket.h"
@@ -25,28 +26,6 @@
 namespace zeroshard {
 
 struct CheckpointManifest;
-
-// Module state a checkpoint must hold that the engine does not shard: buffers and frozen
-// parameters (whole on every rank), and state-dict names under which a trained parameter
-// appears a second time (tied weights). With it, a checkpoint converts to a complete state
-// dict in the model's own order.
-struct ModuleState {
-  std::vector<std::string> keys;  // every state-dict name, in the model's order
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::vector<std::pair<std::string, std::string>> aliases;  // name -> trained parameter's name
-  // Stage 3: frozen parameters held sharded in the engine's frozen buckets, under each of
-  // their state-dict names (they are whole only while their unit is gathered).
-  struct Sharded {
-    std::string name;
-    size_t bucket = 0;
-    size_t param = 0;
-  };
-  std::vector<Sharded> sharded;
-  // The names of `tensors` and `sharded` that are frozen parameters, not buffers: what
-  // exclude_frozen_parameters leaves out.
-  std::vector<std::string> frozen;
-  bool isFrozen(const std::string& name) const;
-};
 
 struct LoadOptions {
   // false: only the weights (fine-tuning from a checkpoint): AdamW state, step count,
@@ -74,18 +53,6 @@ struct LoadedCheckpoint {
   std::string clientState;  // what save_checkpoint was given (empty if nothing)
   bool schedulerStateLoaded = false;  // the schedule took the checkpoint's last_batch_iteration
 };
-
-// The module state of a model from its state dict (every name, in order): a trained parameter
-// under another name than its own is an alias of it; a frozen parameter of `frozenBuckets` is
-// sharded; what else is not trained (buffers, frozen parameters kept whole) is saved whole.
-// `frozenWhole`: the frozen parameters kept whole (to tell them from buffers). The one rule for
-// Python (state_dict order) and C++ models.
-ModuleState moduleStateOf(const std::vector<std::pair<std::string, at::Tensor>>& stateDict,
-                          const std::vector<Bucket>& buckets, const std::vector<Bucket>& frozenBuckets = {},
-                          const std::vector<std::pair<std::string, at::Tensor>>& frozenWhole = {});
-
-// Checks the module state against the trained parameters (names known, none twice).
-void checkModuleState(const ModuleState& state, const std::vector<Bucket>& buckets);
 
 // What a checkpoint reads and writes of an engine, lent for one save or load. The engine owns
 // all of it.

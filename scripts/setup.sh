@@ -53,20 +53,30 @@ pip_missing=()
 "$PYTHON" -c "import safetensors" >/dev/null 2>&1 || pip_missing+=(safetensors)
 # Issue 14's tests read save_16bit_model's file back with transformers' from_pretrained and use
 # its scheduler helpers (tiny models built from configs: nothing is downloaded).
-"$PYTHON" -c "import transformers" >/dev/null 2>&1 || pip_missing+=(transformers)
+# Issue 31 (zeroshard.hf) pins the Trainer stack it is tested with: the integration overrides
+# Trainer methods and routes accelerate's backward, both private surfaces that move between
+# releases. A machine with other versions is told, not changed (docs/hf.md lists the pins).
+"$PYTHON" -c "import transformers" >/dev/null 2>&1 || pip_missing+=(transformers==5.24.0)
 # Issue 19's fuzz tests generate their inputs with hypothesis.
 "$PYTHON" -c "import hypothesis" >/dev/null 2>&1 || pip_missing+=(hypothesis)
 # Issue 30's LoRA tests train a real peft LoRA (peft brings accelerate) and load the adapter
 # save_16bit_model exports with peft's own PeftModel.from_pretrained. Pinned: the tests hold the
 # export to peft's adapter file names and keys, which peft has changed between releases.
 "$PYTHON" -c "import peft" >/dev/null 2>&1 || pip_missing+=(peft==0.21.2)
+# Issue 31's tests train with TRL's SFTTrainer (trl brings datasets) on the pinned accelerate.
+"$PYTHON" -c "import accelerate" >/dev/null 2>&1 || pip_missing+=(accelerate==1.16.0)
+"$PYTHON" -c "import trl" >/dev/null 2>&1 || pip_missing+=(trl==1.16.0)
+for pinned in transformers==5.24.0 accelerate==1.16.0 trl==1.16.0 peft==0.21.2; do
+  have=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('${pinned%%==*}'))" 2>/dev/null) || continue
+  [ "$have" = "${pinned##*==}" ] || echo "setup: note: ${pinned%%==*} $have is installed; zeroshard.hf is tested with $pinned"
+done
 command -v ninja >/dev/null 2>&1 || pip_missing+=(ninja)
 command -v cmake >/dev/null 2>&1 || pip_missing+=(cmake)
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "setup: pip: installing ${pip_missing[*]}"
   "$PYTHON" -m pip install -q "${pip_missing[@]}"
 else
-  echo "setup: pip: pytest pybind11 safetensors transformers hypothesis peft ninja cmake already installed"
+  echo "setup: pip: pytest pybind11 safetensors transformers hypothesis peft accelerate trl ninja cmake already installed"
 fi
 
 # Build (ccache keeps rebuilds cheap on 2 cores) and install in place.

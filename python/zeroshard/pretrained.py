@@ -5,6 +5,7 @@ import re
 from typing import NamedTuple
 
 from zeroshard import _C
+from zeroshard.peft_adapter import is_peft_model
 
 
 class PretrainedLoad(NamedTuple):
@@ -32,7 +33,9 @@ def tensor_renames(path, module, key_mapping=None):
     Without it, a transformers PreTrainedModel gets transformers' own conversion mapping (the
     renames its from_pretrained applies, e.g. GPT-NeoX's embed_out -> lm_head); other models
     none. Errors here (a bad pattern, a WeightConverter) are the same on every rank."""
-    if key_mapping is None and not is_transformers_model(module):
+    peft = is_peft_model(module)
+    named = module.get_base_model() if peft else module  # the model whose names the file holds
+    if key_mapping is None and not peft and not is_transformers_model(named):
         return {}
     try:
         names = _C.pretrained_tensor_names(path)
@@ -40,17 +43,38 @@ def tensor_renames(path, module, key_mapping=None):
         # Unreadable here: the collective load reports it on every rank (Note [agreement])
         # instead of this rank raising alone while the others wait in it.
         return {}
-    if key_mapping is None:
-        return _transformers_renames(names, module)
-    compiled = [(re.compile(pattern), replacement) for pattern, replacement in dict(key_mapping).items()]
-    renames = {}
+    if key_mapping is not None:
+        compiled = [(re.compile(pattern), replacement) for pattern, replacement in dict(key_mapping).items()]
+        renames = {}
+        for name in names:
+            renamed = name
+            for pattern, replacement in compiled:
+                renamed = pattern.sub(replacement, renamed)
+            if renamed != name:
+                renames[name] = renamed
+    elif is_transformers_model(named):
+        renames = _transformers_renames(names, named)
+    else:
+        renames = {}
+    return _peft_renames(names, renames, module) if peft else renames
+
+
+def _peft_renames(names, renames, module):
+    """A peft model's checkpoint is its base model's: each base name (after `renames`) becomes the
+    name the peft model gives it (under base_model.model., a wrapped layer's weight under
+    base_layer.)."""
+    to_peft = {}
+    for key in module.state_dict(keep_vars=True):
+        base = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if base != key:
+            to_peft[base] = key
+    out = {}
     for name in names:
-        renamed = name
-        for pattern, replacement in compiled:
-            renamed = pattern.sub(replacement, renamed)
-        if renamed != name:
-            renames[name] = renamed
-    return renames
+        base = renames.get(name, name)
+        target = to_peft.get(base, base)
+        if target != name:
+            out[name] = target
+    return out
 
 
 def is_transformers_model(module):

@@ -1,0 +1,172 @@
+"""zeroshard.hf: the Hugging Face Trainer and TRL's SFTTrainer training through zeroshard at 2
+ranks equal the plain Trainer (DDP) at 2 ranks; checkpoints, resume, the saved model, evaluate,
+predict and generate work as the Trainer's do (hf_runs.py runs them).
+
+One spawned run per world size holds every case of that world size (spawn.SharedRuns).
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from hf_runs import checkpoint_case, save_model_case, sft_case, tiny_llama, train_case  # noqa: E402
+from spawn import SharedRuns  # noqa: E402
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+STAGES = (1, 2, 3)
+TOL = 1e-5
+
+
+class _Runs(SharedRuns):
+    def result(self, world_size, name):
+        if world_size == 1:
+            # Its resume reads the checkpoint the 2-rank run saved: that one is spawned first.
+            try:
+                super().result(2, "checkpoint_stage3")
+            except AssertionError:
+                pass  # the resume says what it misses
+        return super().result(world_size, name)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def runs(out):
+    two = {"ddp": (train_case, str(out / "ddp"), "ddp", None)}
+    two.update({f"stage{s}": (train_case, str(out / f"stage{s}"), "zeroshard", s) for s in STAGES})
+    two["sft_ddp"] = (sft_case, str(out / "sft_ddp"), "ddp", None)
+    two["sft_stage3"] = (sft_case, str(out / "sft_stage3"), "zeroshard", 3)
+    two["save_stage3"] = (save_model_case, str(out / "save_stage3"), 3, True)
+    two["save_stage3_sharded"] = (save_model_case, str(out / "save_sharded"), 3, False)
+    two["checkpoint_stage3"] = (checkpoint_case, str(out / "ckpt"), 3)
+    two["resume_stage3"] = (checkpoint_case, str(out / "resumed"), 3, str(out / "ckpt" / "checkpoint-4"))
+    # The same global batch on one rank (4 micro-batches a window), at stage 2.
+    one = {"resume_one_rank": (checkpoint_case, str(out / "resumed_one"), 2, str(out / "ckpt" / "checkpoint-4"), 4)}
+    return _Runs({2: two, 1: one}, timeout=120)
+
+
+def _close(a, b, tol=TOL):
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def _assert_logs_match(got, want):
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (step, loss, norm, lr), (_, loss_w, norm_w, lr_w) in zip(got, want):
+        assert _close(loss, loss_w), f"step {step}: loss {loss} vs the plain Trainer's {loss_w}"
+        assert _close(norm, norm_w), f"step {step}: grad_norm {norm} vs {norm_w}"
+        assert lr == pytest.approx(lr_w, rel=1e-12, abs=1e-15), f"step {step}: learning_rate {lr} vs {lr_w}"
+
+
+def _assert_weights_match(got, want, tol=TOL):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_matches_the_plain_trainer_at_two_ranks(runs, stage):
+    """Logged loss, grad_norm and learning_rate at every step and the final weights equal the
+    plain Trainer's (DDP) within 1e-5, with accumulation (a short last window each epoch) and
+    clipping (max_grad_norm 0.3 clips every step)."""
+    ddp = runs.result(2, "ddp")[0]
+    got = runs.result(2, f"stage{stage}")
+    _assert_logs_match(got[0]["logs"], ddp["logs"])
+    assert len(got[0]["logs"]) == 6
+    assert all(norm > 0.3 for _, _, norm, _ in ddp["logs"])  # clipping acts on every step
+    _assert_weights_match(got[0]["weights"], ddp["weights"])
+    _assert_weights_match(got[1]["weights"], ddp["weights"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_evaluate_and_predict_equal_the_plain_trainer(runs, stage):
+    ddp = runs.result(2, "ddp")[0]
+    got = runs.result(2, f"stage{stage}")[0]
+    assert _close(got["eval_loss"], ddp["eval_loss"])
+    torch.testing.assert_close(got["predictions"], ddp["predictions"], rtol=TOL, atol=TOL)
+
+
+def test_generate_at_stage3_gives_the_whole_model_tokens(runs):
+    for rank_result in runs.result(2, "stage3"):
+        assert "units" in rank_result["plan"] or "sharded" in rank_result["plan"]
+        assert torch.equal(rank_result["generated"], rank_result["generated_whole"])
+        assert rank_result["generated"].shape[1] == 4 + 6
+
+
+def test_checkpoints_are_trainer_folders_with_the_sharded_checkpoint(runs):
+    """save_steps=2, save_total_limit=2 over 6 steps: checkpoint-4 and -6 remain, each with the
+    Trainer's files and zeroshard's checkpoint (global_step<N> and latest)."""
+    saved = runs.result(2, "checkpoint_stage3")[0]
+    assert [f for f in saved["folders"] if f.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"]
+    files = set(saved["checkpoint_files"])
+    for name in ("trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "latest",
+                 "global_step6", "model.safetensors", "config.json", "training_args.bin"):
+        assert name in files, f"{name} missing from checkpoint-6: {sorted(files)}"
+
+
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(runs):
+    saved = runs.result(2, "checkpoint_stage3")
+    resumed = runs.result(2, "resume_stage3")
+    for rank in range(2):
+        for name, value in saved[rank]["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][name], value), name
+    assert resumed[0]["logs"] == saved[0]["logs"][4:]
+
+
+def test_resume_at_one_rank_and_stage2_continues_the_run(runs):
+    """checkpoint-4 of the 2-rank stage-3 run, resumed on 1 rank at stage 2 with 4 accumulation
+    steps (the same global batches): the remaining steps and final weights as uninterrupted."""
+    saved = runs.result(2, "checkpoint_stage3")[0]
+    resumed = runs.result(1, "resume_one_rank")[0]
+    _assert_logs_match(resumed["logs"], saved["logs"][4:])
+    _assert_weights_match(resumed["weights"], saved["weights"])
+
+
+def test_save_model_writes_a_from_pretrained_folder(runs, out):
+    import transformers
+
+    saved = runs.result(2, "save_stage3")[0]
+    assert {"model.safetensors", "config.json"} <= set(saved["files"])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "save_stage3")
+    _assert_weights_match({k: v.float() for k, v in loaded.state_dict().items()}, saved["weights"], tol=0)
+
+
+def test_save_model_at_stage3_without_the_gather_flag_writes_the_sharded_checkpoint(runs):
+    saved = runs.result(2, "save_stage3_sharded")[0]
+    assert "model.safetensors" not in saved["files"]
+    assert "latest" in saved["files"] and "config.json" in saved["files"]
+    assert any("stage3_gather_16bit_weights_on_model_save" in w for w in saved["warnings"])
+
+
+def test_sft_trainer_with_lora_matches_the_plain_sft_trainer(runs):
+    ddp = runs.result(2, "sft_ddp")[0]
+    got = runs.result(2, "sft_stage3")[0]
+    _assert_logs_match(got["logs"], ddp["logs"])
+    _assert_weights_match(got["weights"], ddp["weights"])
+    assert got["weights"], "no adapter weights compared"
+
+
+def test_sft_trainer_saves_the_adapter_that_peft_loads(runs, out):
+    import peft
+
+    got = runs.result(2, "sft_stage3")[0]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(got["files"])
+    assert "model.safetensors" not in got["files"]
+    with open(out / "sft_stage3" / "adapter_config.json") as f:
+        assert json.load(f)["r"] == 4
+    model = peft.PeftModel.from_pretrained(tiny_llama(), out / "sft_stage3")
+    model.eval()
+    from hf_runs import sft_dataset
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(sft_dataset(2, seed=21)["input_ids"])).logits
+    torch.testing.assert_close(logits, got["logits"], rtol=1e-5, atol=1e-5)

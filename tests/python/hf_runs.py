@@ -65,9 +65,10 @@ def logged(trainer):
 
 def final_weights(trainer):
     """The trained model's full state dict in fp32 on CPU (every rank takes part)."""
-    engine = trainer._zeroshard.engine if hasattr(trainer, "_zeroshard") else None
-    if engine is not None:
-        state = engine.full_state_dict()
+    from zeroshard.hf import ShardedTrainer
+
+    if isinstance(trainer, ShardedTrainer):
+        state = trainer.engine.full_state_dict()
     else:
         state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
@@ -183,9 +184,10 @@ def sft_case(rank, world_size, out_dir, system, stage, model_dir=None):
     torch.manual_seed(1)  # the adapters' initial values
     trainer = trainer_class(model=model, args=args, train_dataset=sft_dataset(), processing_class=tokenizer(),
                             peft_config=lora_config(), **extra)
+    initial = final_weights(trainer) if model_dir is not None else None  # builds the engine before train()
     trainer.train()
     out = {"logs": logged(trainer), "weights": {k: v for k, v in final_weights(trainer).items() if "lora_" in k},
-           "frozen_bytes": None}
+           "frozen_bytes": None, "initial": initial}
     if system != "ddp":
         out["frozen_bytes"] = trainer.engine.memory_stats()["frozen"]
         trainer.save_model()
@@ -195,3 +197,43 @@ def sft_case(rank, world_size, out_dir, system, stage, model_dir=None):
         with torch.no_grad():
             out["logits"] = trainer.model(input_ids=torch.tensor(probe)).logits
     return out
+
+
+def pretrained_case(rank, world_size, out_dir, model_dir, stage):
+    """train_case's run on zeroshard.hf.from_pretrained(AutoModelForCausalLM, model_dir): the model
+    is built on the meta device and the engine reads each rank's slices of model_dir."""
+    import transformers
+
+    import zeroshard.hf
+
+    model = zeroshard.hf.from_pretrained(transformers.AutoModelForCausalLM, model_dir)
+    on_meta = all(p.is_meta for p in model.parameters())
+    trainer = make_trainer("zeroshard", out_dir, world_size, stage, model=model)
+    trainer.train()
+    return {"on_meta": on_meta, "logs": logged(trainer), "weights": final_weights(trainer),
+            "read": trainer.engine.last_load_stats()["param_bytes_read"]}
+
+
+# Hugging Face's DeepSpeed template: every Trainer-owned value "auto".
+AUTO_TEMPLATE = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
+    "zeroshard": {"collective_timeout_seconds": 30},
+}
+
+
+def auto_case(rank, world_size, out_dir):
+    """The template's values as the engine took them, and the learning rates of a 6-step run."""
+    trainer = make_trainer("zeroshard", out_dir, world_size, config=AUTO_TEMPLATE)
+    trainer.train()
+    engine = trainer.engine
+    group = engine.optimizer.param_groups[0]
+    return {"train_batch_size": engine.train_batch_size, "micro": engine.train_micro_batch_size_per_gpu,
+            "accumulation": engine.gradient_accumulation_steps, "clipping": engine.config.gradient_clipping,
+            "betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+            "schedule": engine.lr_scheduler.type, "lrs": [lr for _, _, _, lr in logged(trainer)]}

@@ -248,3 +248,14 @@ def test_adamw_from_args_and_uses_trainer_scheduler(tmp_path):
     assert adamw_from_args(args) == {"lr": 2e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
     assert uses_trainer_scheduler({"optimizer": {}})
     assert not uses_trainer_scheduler({"scheduler": {"type": "WarmupLR"}})
+
+
+def test_unknown_steps_leave_the_schedule_step_counts_as_written(tmp_path):
+    """The Trainer checks its config when it is built, before the steps are known: a written
+    total_num_steps is checked at train(), not against a placeholder."""
+    written = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 5}}}
+    cfg = trainer_config(written, make_args(tmp_path), None)
+    assert cfg["scheduler"]["params"]["total_num_steps"] == 1000
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == 5
+    with pytest.raises(ValueError, match="total_num_steps=1000 in the zero_config"):
+        trainer_config(written, make_args(tmp_path), 20)

@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from hf_runs import checkpoint_case, save_model_case, sft_case, tiny_llama, train_case  # noqa: E402
+from hf_runs import (auto_case, checkpoint_case, pretrained_case, save_model_case, sft_case, sft_dataset,  # noqa: E402
+                     tiny_llama, train_case)
 from spawn import SharedRuns  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -41,11 +42,21 @@ def out(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(out):
+def pretrained(out):
+    """The tiny Llama (the one every run starts from) saved as a Hugging Face model folder."""
+    tiny_llama().save_pretrained(out / "pretrained")
+    return out / "pretrained"
+
+
+@pytest.fixture(scope="module")
+def runs(out, pretrained):
     two = {"ddp": (train_case, str(out / "ddp"), "ddp", None)}
     two.update({f"stage{s}": (train_case, str(out / f"stage{s}"), "zeroshard", s) for s in STAGES})
     two["sft_ddp"] = (sft_case, str(out / "sft_ddp"), "ddp", None)
     two["sft_stage3"] = (sft_case, str(out / "sft_stage3"), "zeroshard", 3)
+    two["pretrained_stage3"] = (pretrained_case, str(out / "pretrained_run"), str(pretrained), 3)
+    two["sft_pretrained_stage3"] = (sft_case, str(out / "sft_pretrained"), "zeroshard", 3, str(pretrained))
+    two["auto_template"] = (auto_case, str(out / "auto"))
     two["save_stage3"] = (save_model_case, str(out / "save_stage3"), 3, True)
     two["save_stage3_sharded"] = (save_model_case, str(out / "save_sharded"), 3, False)
     two["checkpoint_stage3"] = (checkpoint_case, str(out / "ckpt"), 3)
@@ -165,8 +176,70 @@ def test_sft_trainer_saves_the_adapter_that_peft_loads(runs, out):
         assert json.load(f)["r"] == 4
     model = peft.PeftModel.from_pretrained(tiny_llama(), out / "sft_stage3")
     model.eval()
-    from hf_runs import sft_dataset
-
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(sft_dataset(2, seed=21)["input_ids"])).logits
     torch.testing.assert_close(logits, got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_from_pretrained_reads_each_ranks_slices_and_trains_as_the_whole_model(runs):
+    """zeroshard.hf.from_pretrained builds on the meta device; the engine reads each rank's stage-3
+    slices (the persistent norms whole on both): the bytes read over the ranks are the model's
+    once plus the norms once more, and the run equals the plain Trainer on the same weights."""
+    ddp = runs.result(2, "ddp")[0]
+    got = runs.result(2, "pretrained_stage3")
+    model = tiny_llama()
+    total = sum(p.nbytes for p in model.parameters())
+    persistent = sum(p.nbytes for p in model.parameters() if p.numel() <= 40)
+    assert all(r["on_meta"] for r in got)
+    assert sum(r["read"] for r in got) == total + persistent
+    assert all(r["read"] < total for r in got)
+    _assert_logs_match(got[0]["logs"], ddp["logs"])
+    _assert_weights_match(got[0]["weights"], ddp["weights"])
+
+
+def test_sft_with_lora_on_a_from_pretrained_model(runs, pretrained):
+    """peft on the meta model: the base is read under peft's names, the adapters start as peft
+    starts them (B zero, so the first loss is the base model's), and training matches DDP's first step."""
+    from safetensors.torch import load_file
+
+    ddp = runs.result(2, "sft_ddp")[0]
+    got = runs.result(2, "sft_pretrained_stage3")[0]
+    saved = load_file(pretrained / "model.safetensors")
+    initial = got["initial"]
+    for name, value in initial.items():
+        if "lora_B" in name:
+            assert not value.any(), name
+        elif "lora_A" not in name:
+            base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(value, saved[base].float()), name
+    assert _close(got["logs"][0][1], ddp["logs"][0][1])
+    assert len(got["logs"]) == len(ddp["logs"])
+
+
+def test_auto_values_come_from_the_training_arguments(runs):
+    """Hugging Face's template (every Trainer-owned value "auto", a DeepSpeed WarmupDecayLR):
+    the engine runs with the arguments' batch sizes, clipping and AdamW, and the schedule's
+    warm-up and total steps are the Trainer's (2 of 6: up to lr, then linearly down)."""
+    from hf_runs import LR, MAX_GRAD_NORM, MICRO, WEIGHT_DECAY
+
+    got = runs.result(2, "auto_template")[0]
+    assert (got["train_batch_size"], got["micro"], got["accumulation"]) == (2 * MICRO * 2, MICRO, 2)
+    assert got["clipping"] == MAX_GRAD_NORM
+    assert got["betas"] == (0.9, 0.999) and got["eps"] == 1e-8 and got["weight_decay"] == WEIGHT_DECAY
+    assert got["schedule"] == "WarmupDecayLR"
+    assert len(got["lrs"]) == 6 and max(got["lrs"]) == pytest.approx(LR)
+    assert got["lrs"].index(max(got["lrs"])) == 2  # after 2 warm-up steps
+    assert got["lrs"][-1] < got["lrs"][3] < got["lrs"][2]
+
+
+def test_a_config_value_that_disagrees_with_the_arguments_is_an_error_naming_both(tmp_path):
+    import zeroshard.hf
+    from hf_runs import Tokens, training_args, zero_config
+
+    config = zero_config(3, gradient_clipping=1.0, train_micro_batch_size_per_gpu=8)
+    with pytest.raises(ValueError) as error:
+        zeroshard.hf.Trainer(model=tiny_llama(), args=training_args(str(tmp_path), 1), train_dataset=Tokens(),
+                             zero_config=config)
+    assert "gradient_clipping=1.0 in the zero_config, but TrainingArguments max_grad_norm=0.3" in str(error.value)
+    assert "train_micro_batch_size_per_gpu=8 in the zero_config, but TrainingArguments " \
+           "per_device_train_batch_size=2" in str(error.value)

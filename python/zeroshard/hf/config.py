@@ -40,7 +40,8 @@ def uses_trainer_scheduler(config_dict):
 
 def trainer_config(zero_config, args, num_training_steps):
     """A new config dict: zero_config (a JSON path or a dict, never changed) with the
-    Trainer-owned keys filled from args. Raises ValueError for arguments zeroshard cannot honour
+    Trainer-owned keys filled from args. num_training_steps None (not known yet) leaves the
+    schedule's step counts as written. Raises ValueError for arguments zeroshard cannot honour
     and, in one error, for every value the config and the arguments disagree on."""
     _check_args(args)
     config, source = _load(zero_config)
@@ -92,11 +93,12 @@ def trainer_config(zero_config, args, num_training_steps):
              f"TrainingArguments weight_decay={args.weight_decay}")
     if isinstance(config.get("scheduler"), dict):
         reads = _SCHEDULE_KEYS.get(config["scheduler"].get("type"), ())
-        warmup = args.get_warmup_steps(num_training_steps)
         # warmup_min_lr is no argument: 0 is the Trainer's schedules' start, never a disagreement.
         fill("scheduler.params.warmup_min_lr", 0, "", absent="warmup_min_lr" in reads, match=False)
         fill("scheduler.params.warmup_max_lr", args.learning_rate,
              f"TrainingArguments learning_rate={args.learning_rate}", absent="warmup_max_lr" in reads)
+    if isinstance(config.get("scheduler"), dict) and num_training_steps is not None:
+        warmup = args.get_warmup_steps(num_training_steps)
         fill("scheduler.params.total_num_steps", num_training_steps,
              f"the Trainer's num_training_steps={num_training_steps} (from max_steps, or num_train_epochs "
              "and the dataset)", absent="total_num_steps" in reads)

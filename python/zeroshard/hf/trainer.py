@@ -67,6 +67,9 @@ class ShardedTrainer:
                              "engine runs AdamW on its own flat shards. Give its settings through TrainingArguments "
                              "(learning_rate, adam_beta1/2, adam_epsilon, weight_decay, lr_scheduler_type) or the "
                              "zero_config's \"optimizer\" and \"scheduler\" sections")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("zeroshard.hf: model_init= (a new model for each train(), as hyperparameter_search "
+                             "uses) is not supported: the engine shards the model it is given once; pass model=")
         self._zero_config = zero_config
         self._zeroshard = ShardedRun()
         self._zeroshard_steps = None
@@ -76,8 +79,8 @@ class ShardedTrainer:
                 raise ValueError(f"zeroshard.hf: TrainingArguments {name}=True is not supported: the engine evaluates "
                                  "in its own compute dtype (the zero_config's bf16 / fp16 sections); leave it False")
         # Refused arguments and config values that disagree with the arguments fail here, before
-        # any training (the steps are known only at train()).
-        _config.trainer_config(zero_config, self.args, 0)
+        # any training (the schedule's step counts are checked at train(), where they are known).
+        _config.trainer_config(zero_config, self.args, None)
 
     # -- the accelerator and the model's placement ------------------------------------------
 
@@ -228,11 +231,14 @@ class ShardedTrainer:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.engine
         if is_peft_model(self.model):
-            engine.save_16bit_model(output_dir, exclude_frozen_parameters=True)
-        elif not engine.save_16bit_model(output_dir, "model.safetensors"):
-            warnings.warn("zeroshard.hf: save_model wrote the sharded checkpoint to "
-                          f"{output_dir} instead of model.safetensors (see the warning above)", stacklevel=2)
-            engine.save_checkpoint(output_dir)
+            saved = engine.save_16bit_model(output_dir, exclude_frozen_parameters=True)
+        else:
+            saved = engine.save_16bit_model(output_dir, "model.safetensors")
+        # A checkpoint's own save (_internal_call) writes the sharded checkpoint next anyway.
+        if not saved and (not _internal_call or self.args.save_only_model):
+            warnings.warn(f"zeroshard.hf: save_model wrote the sharded checkpoint to {output_dir} instead of the "
+                          "model's weights (see the warning above)", stacklevel=2)
+            engine.save_checkpoint(output_dir, exclude_frozen_parameters=is_peft_model(self.model))
         if self.args.should_save:
             self._zeroshard_save_beside(output_dir)
         if self.args.push_to_hub and not _internal_call:

@@ -234,7 +234,12 @@ void bindEngine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("gather_parameters", &Engine::gatherParameters, py::call_guard<py::gil_scoped_release>())
       .def("reshard_parameters", &Engine::reshardParameters, py::call_guard<py::gil_scoped_release>())
-      .def("backward", &Engine::backward, "loss"_a, py::call_guard<py::gil_scoped_release>())
+      .def("backward", &Engine::backward, "loss"_a, "scale_wrt_gas"_a = true, py::call_guard<py::gil_scoped_release>(),
+           "Backpropagates loss / gradient_accumulation_steps (the loss itself with scale_wrt_gas=False; fp16's "
+           "loss scale either way) and reduces the gradients.")
+      .def("set_gradient_accumulation_boundary", &Engine::setAccumulationBoundary, "is_boundary"_a,
+           "True / False: whether each following micro-step ends the accumulation window, until set again; None: "
+           "count gradient_accumulation_steps micro-steps from the last boundary (engine.h).")
       .def("step",
            [](Engine& e) {
              CollectedWarnings warnings;  // e.g. a step skipped for non-finite gradients
@@ -252,6 +257,8 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::worldSize)
       .def_property_readonly("micro_steps", &Engine::microSteps)
+      .def_property_readonly("accumulation_boundaries", &Engine::accumulationBoundaries,
+                             "Accumulation windows ended: optimizer steps taken plus steps skipped.")
       .def_property_readonly("global_steps", withWarnings(&Engine::globalSteps))
       .def_property_readonly("is_gradient_accumulation_boundary", &Engine::isAccumulationBoundary)
       .def_property_readonly("gradient_accumulation_steps",

@@ -83,7 +83,8 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                                      onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups),
                                      localWorldSizeFromEnv(comm_.worldSize()))),
       stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
-               [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }) {
+               [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }),
+      window_(config_.batchSizes(comm_.worldSize()).accumulationSteps) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
   batchSizes_ = config_.batchSizes(comm_.worldSize());
@@ -193,19 +194,16 @@ void Engine::registerShards() {
 
 Engine::~Engine() = default;
 
-bool Engine::isAccumulationBoundary() const {
-  return (microSteps_ + 1) % batchSizes_.accumulationSteps == 0;
-}
-
-void Engine::backward(const at::Tensor& loss) {
+void Engine::backward(const at::Tensor& loss, bool scaleByAccumulation) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "zeroshard: engine.backward() needs a scalar loss, got ",
               loss.defined() ? loss.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(!backwardSinceStep_, "zeroshard: engine.backward() called twice without engine.step() between; "
-                                   "call engine.step() after every backward, as with DeepSpeed");
+  TORCH_CHECK(!window_.awaitingStep(), "zeroshard: engine.backward() called twice without engine.step() between; "
+                                      "call engine.step() after every backward, as with DeepSpeed");
   const TimedPhase timed(stepLog_, StepPhase::kBackward);
   if (stepLog_.prints()) lastLoss_ = loss.detach();
-  const int64_t accumulation = batchSizes_.accumulationSteps;
-  reducer_->beginBackward(isAccumulationBoundary());
+  const int64_t accumulation = scaleByAccumulation ? batchSizes_.accumulationSteps : 1;
+  const bool boundary = window_.isBoundary();
+  reducer_->beginBackward(boundary);
   try {
     // fp16: the loss is scaled in fp32 (the gradient entering the fp16 graph is the scale).
     const at::Tensor scaled = scaler_ ? loss.to(at::kFloat) * (scaler_->scale() / static_cast<double>(accumulation))
@@ -219,17 +217,13 @@ void Engine::backward(const at::Tensor& loss) {
   }
   reducer_->finishBackward();
   params_->finishBackward();
-  backwardSinceStep_ = true;
+  window_.recordBackward(boundary);
 }
 
 bool Engine::step() {
-  TORCH_CHECK(backwardSinceStep_, "zeroshard: engine.step() called without engine.backward() since the last "
-                                  "step; call engine.backward(loss) after each forward, then engine.step()");
-  backwardSinceStep_ = false;
-  ++microSteps_;
-  if (microSteps_ % batchSizes_.accumulationSteps != 0) {
-    return false;
-  }
+  // The decision this micro-step's backward took (Note [accumulation boundary]): its gradients
+  // were reduced for it.
+  if (!window_.finishMicroStep()) return false;
   bool taken = false;
   {
     const TimedPhase timed(stepLog_, StepPhase::kStep);
@@ -269,7 +263,7 @@ bool Engine::takeStep() {
     params_->afterStep();
   }
   if (skipOnDevice.defined()) {
-    deferredSkip_.record(skipOnDevice, microSteps_ / batchSizes_.accumulationSteps, optimizer_);
+    deferredSkip_.record(skipOnDevice, window_.boundaries(), optimizer_);
   }
   if (schedule_) applySchedule(schedule_->step());
   finishStep();
@@ -377,36 +371,6 @@ MemoryStats Engine::memoryStats() const {
     }
   }
   return stats;
-}
-
-std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& b : buckets_) {
-    for (size_t i = 0; i < b.size(); ++i) out.emplace_back(b.layout().params()[i].name, b.params()[i]);
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
-  UncountedCollectives uncounted(comm_);
-  UncountedCollectives uncountedShards(shardComm());
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (size_t i = 0; i < buckets_.size(); ++i) {
-    const auto& b = buckets_[i];
-    // Offloaded masters are host tensors: gathered on the compute device, as a backend for
-    // device tensors (NCCL) takes no host ones.
-    const at::Tensor master = masters_->of(b, i).to(b.flatParams().device());
-    at::Tensor full = master;
-    if (plan_.optimizerSharded()) {
-      full = at::empty({b.layout().paddedNumel()}, master.options());
-      shardComm().allGather(master, full).wait();
-    }
-    for (const auto& place : b.layout().params()) {
-      const at::Tensor view = full.narrow(0, place.offset, place.numel).view(place.shape);
-      out.emplace_back(place.name, view.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true));
-    }
-  }
-  return out;
 }
 
 } // namespace zeroshard

@@ -4,12 +4,15 @@
 //   for each micro-batch:  loss = model(x); engine.backward(loss); engine.step();
 //
 // backward() divides the loss by gradient_accumulation_steps; step() is called after every
-// backward and runs the optimizer (then zeroes the gradients) only at the accumulation boundary.
+// backward and runs the optimizer (then zeroes the gradients) only at the accumulation boundary:
+// after gradient_accumulation_steps micro-steps, or where setAccumulationBoundary says
+// (accumulation_window.h, Note [accumulation boundary]).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include "zeroshard/accumulation_window.h"
 #include "zeroshard/layout/bucket.h"
 #include "zeroshard/layout/param_groups.h"
 #include "zeroshard/layout/param_storage.h"
@@ -17,6 +20,7 @@
 #include "zeroshard/checkpoint/model_export.h"
 #include "zeroshard/checkpoint/pretrained.h"
 #include "zeroshard/comm/communicator.h"
+#include "zeroshard/memory_stats.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/optim/loss_scaler.h"
 #include "zeroshard/optim/lr_schedule.h"
@@ -47,47 +51,6 @@ namespace zeroshard {
 
 class GradReducer;
 class GradStorage;
-
-// Bytes of model state this rank holds (padding included): compute-dtype parameters,
-// gradients (full or sharded, by stage) and optimizer state (exp_avg, exp_avg_sq, and the fp32
-// master weights where they are a separate copy). paramBytes, gradBytes and optimizerBytes
-// count every place together; the host* fields count what of them is in host memory
-// (offload: parameter shards, the fp32 gradient shards the host step reads, the optimizer
-// state), the device* ones the rest.
-struct MemoryStats {
-  int64_t paramBytes = 0;
-  int64_t gradBytes = 0;
-  int64_t optimizerBytes = 0;
-  // Frozen parameters (requires_grad=False, e.g. a LoRA base): whole below stage 3, this rank's
-  // shards at stage 3 (plus those at or under the persistence threshold, whole). No gradient,
-  // master or optimizer state goes with them.
-  int64_t frozenBytes = 0;
-  int64_t hostParamBytes = 0;
-  int64_t hostGradBytes = 0;
-  int64_t hostOptimizerBytes = 0;
-  int64_t hostFrozenBytes = 0;
-  int64_t hostTotalBytes() const { return hostParamBytes + hostGradBytes + hostOptimizerBytes + hostFrozenBytes; }
-  int64_t deviceFrozenBytes() const { return frozenBytes - hostFrozenBytes; }
-  int64_t deviceParamBytes() const { return paramBytes - hostParamBytes; }
-  int64_t deviceGradBytes() const { return gradBytes - hostGradBytes; }
-  int64_t deviceOptimizerBytes() const { return optimizerBytes - hostOptimizerBytes; }
-  int64_t deviceTotalBytes() const { return totalBytes() - hostTotalBytes(); }
-  // Stage 3: the most bytes of gathered unit parameters that existed at once since the last
-  // step (not part of the total, which counts what is held between steps).
-  int64_t gatheredPeakBytes = 0;
-  // Stage 3 with hpZ: the most bytes of secondary shards (zero_hpz_partition_size) held at once
-  // during the last step: 1/k of every unit released after its forward, until its backward.
-  int64_t secondaryPeakBytes = 0;
-  // The most bytes of full-size buffers that exist only for a gradient reduction alive at once
-  // during the last step (not part of the total either): the staging buffers of stages 2 and
-  // 3, and the fp32 copies of 16-bit gradients reduced in fp32. One bucket's worth with
-  // overlap_comm off.
-  int64_t stagingPeakBytes = 0;
-  // 16-bit training: the most bytes of fp32 copies of gradient shards alive at once during the
-  // last optimizer step (one shard's worth: they are made one at a time). Not in the total.
-  int64_t fp32GradsPeakBytes = 0;
-  int64_t totalBytes() const { return paramBytes + gradBytes + optimizerBytes + frozenBytes; }
-};
 
 // A model built on the meta device (its parameters have shapes but no values, e.g. built under
 // torch.device("meta")): the engine allocates only what this rank keeps under the plan, on
@@ -140,14 +103,23 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Backpropagates loss / gradient_accumulation_steps; gradients are reduced as buckets become
-  // ready. Blocks until this backward's reductions are done.
-  void backward(const at::Tensor& loss);
+  // Backpropagates loss / gradient_accumulation_steps (the loss itself with scaleByAccumulation
+  // false: DeepSpeed's scale_wrt_gas=False, for a caller that scales it; fp16's loss scale is
+  // applied either way); gradients are reduced as buckets become ready. Decides whether this
+  // micro-step ends the accumulation window (isAccumulationBoundary()), which its step() then
+  // follows. Blocks until this backward's reductions are done.
+  void backward(const at::Tensor& loss, bool scaleByAccumulation = true);
   // Returns true when this call ended an accumulation window and the optimizer stepped. With
   // the deferred nonfinite check a step found later to hold an inf or NaN returned true: the
   // kernel skipped it on the device, and the host takes it back when it reads the flag
   // (checkLastStep()).
   bool step();
+  // DeepSpeed's set_gradient_accumulation_boundary: while set, whether each following micro-step
+  // ends the window (its backward reduces for the boundary, its step steps the optimizer); it
+  // stays until set again; nullopt returns to counting gradient_accumulation_steps micro-steps
+  // from the last boundary (Note [accumulation boundary]). A micro-step whose backward already
+  // ran keeps the decision that backward took. Every rank sets the same.
+  void setAccumulationBoundary(std::optional<bool> boundary) { window_.setOverride(boundary); }
 
   const Config& config() const { return config_; }
   const BatchSizes& batchSizes() const { return batchSizes_; }
@@ -163,12 +135,17 @@ class Engine {
   at::ScalarType computeDtype() const { return computeDtype_; }
   int rank() const { return comm_.rank(); }
   int worldSize() const { return comm_.worldSize(); }
-  int64_t microSteps() const { return microSteps_; }
+  // step() calls (DeepSpeed's micro_steps), and the accumulation windows ended: optimizer
+  // steps taken plus steps skipped (the log line's and the default checkpoint tag's step).
+  int64_t microSteps() const { return window_.microSteps(); }
+  int64_t accumulationBoundaries() const { return window_.boundaries(); }
   // Optimizer steps taken. With the deferred nonfinite check (zeroshard.nonfinite_check) this,
   // skippedSteps() and checkLastStep() first settle the last step's flag: on a GPU they wait
   // for the last step's kernels (engine_nonfinite.cpp).
   int64_t globalSteps();
-  bool isAccumulationBoundary() const;
+  // Whether the micro-step whose backward comes next ends the window (between a backward and
+  // its step: whether that micro-step does, as its backward decided).
+  bool isAccumulationBoundary() const { return window_.isBoundary(); }
   // fp16: the current loss scale (1 otherwise), and the boundaries skipped for an overflow.
   double lossScale() const { return scaler_ ? scaler_->scale() : 1.0; }
   int64_t skippedSteps();
@@ -364,6 +341,7 @@ class Engine {
   std::optional<Communicator> replicateGroup_;
   std::optional<Communicator> secondaryGroup_;  // hpZ: the stage-3 backward gathers' group
   StepLog stepLog_;
+  AccumulationWindow window_;  // micro-steps, boundaries, the override; from backward to step
   at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
   std::optional<LrSchedule> schedule_;
   at::ScalarType computeDtype_ = at::kFloat;
@@ -385,8 +363,6 @@ class Engine {
   std::vector<UnitInfo> unitInfos_;
   std::vector<std::vector<OptimizerSlot>> slots_;  // each bucket's optimizer state
   ModuleState moduleState_;
-  int64_t microSteps_ = 0;
-  bool backwardSinceStep_ = false;
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   at::Tensor stepSquares_;   // this step's globalGradSquares(), until finishStep()
   bool nonfiniteDeferred_ = false;  // defersNonfiniteCheck(), decided at construction

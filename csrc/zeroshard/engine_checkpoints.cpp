@@ -48,12 +48,12 @@ CheckpointedState Engine::checkpointedState() {
   };
   return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
           optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, frozenBuckets_, withFrozenWhole,
-          batchSizes_.accumulationSteps, microSteps_, skippedSteps_, schedule_ ? &*schedule_ : nullptr,
+          window_, skippedSteps_, schedule_ ? &*schedule_ : nullptr,
           shardComm().rank(), shardComm().worldSize(), batchSizes_};
 }
 
 void Engine::checkBetweenSteps(const char* call) const {
-  TORCH_CHECK(!backwardSinceStep_ && microSteps_ % batchSizes_.accumulationSteps == 0, "zeroshard: ", call,
+  TORCH_CHECK(window_.betweenWindows(), "zeroshard: ", call,
               " must be called between optimizer steps (after an engine.step() that ended an "
               "accumulation window), not inside a window: a checkpoint holds no partial gradients");
 }

@@ -19,7 +19,7 @@ void Engine::endForward() {
 }
 
 void Engine::logBoundary() {
-  const int64_t boundaries = microSteps_ / batchSizes_.accumulationSteps;
+  const int64_t boundaries = window_.boundaries();
   // The line reports skipped steps and the lr: the deferred nonfinite check's flag is read first,
   // on every rank (in "error" mode they all raise here, none waits in a collective for another).
   if (boundaries % config_.stepsPerPrint == 0) settleLastStep("at the log line of step " + std::to_string(boundaries));

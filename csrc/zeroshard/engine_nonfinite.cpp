@@ -76,7 +76,7 @@ bool Engine::gradsFinite() {
     }
     offset += params.size();
   }
-  const int64_t step = microSteps_ / batchSizes_.accumulationSteps;
+  const int64_t step = window_.boundaries();
   const std::string what = "zeroshard: the gradients of step " + std::to_string(step) +
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the first "
                            "parameter with a non-finite gradient is " + name;
@@ -125,7 +125,7 @@ void Engine::settleLastStep(const std::optional<std::string>& where) {
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the optimizer "
                            "skipped that step on the device, so nothing was updated by it";
   const std::string found =
-      where ? "found " + *where : "found at step " + std::to_string(microSteps_ / batchSizes_.accumulationSteps);
+      where ? "found " + *where : "found at step " + std::to_string(window_.boundaries());
   if (config_.extras.nonfinite == "skip") {
     ++skippedSteps_;
     if (comm_.rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");

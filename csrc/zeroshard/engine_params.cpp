@@ -1,4 +1,5 @@
-// Engine::setParameters: whole values written back into the sharded state, for
+// The engine's trained parameters by name: read (namedParameters, the gathered fp32 masters) and
+// written. Engine::setParameters: whole values written back into the sharded state, for
 // GatheredParameters(modifier_rank=r) in zeroshard.deepspeed (the Python layer broadcasts the
 // modified values from rank r first, so every rank writes the same thing and no collective is
 // needed here).
@@ -6,6 +7,7 @@
 
 #include "zeroshard/layout/param_targets.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -89,6 +91,36 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
                      shardComm().rank())
         .write(w.value, {place.offset, place.offset + place.numel});
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : buckets_) {
+    for (size_t i = 0; i < b.size(); ++i) out.emplace_back(b.layout().params()[i].name, b.params()[i]);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
+  UncountedCollectives uncounted(comm_);
+  UncountedCollectives uncountedShards(shardComm());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const auto& b = buckets_[i];
+    // Offloaded masters are host tensors: gathered on the compute device, as a backend for
+    // device tensors (NCCL) takes no host ones.
+    const at::Tensor master = masters_->of(b, i).to(b.flatParams().device());
+    at::Tensor full = master;
+    if (plan_.optimizerSharded()) {
+      full = at::empty({b.layout().paddedNumel()}, master.options());
+      shardComm().allGather(master, full).wait();
+    }
+    for (const auto& place : b.layout().params()) {
+      const at::Tensor view = full.narrow(0, place.offset, place.numel).view(place.shape);
+      out.emplace_back(place.name, view.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true));
+    }
+  }
+  return out;
 }
 
 } // namespace zeroshard

@@ -48,9 +48,25 @@ class Engine:
     forward = __call__
 
     @names_missing_ranks
-    def backward(self, loss):
-        """Backpropagates loss / gradient_accumulation_steps and reduces the gradients."""
-        self._core.backward(loss)
+    def backward(self, loss, scale_wrt_gas=True):
+        """Backpropagates loss / gradient_accumulation_steps and reduces the gradients.
+
+        scale_wrt_gas=False backpropagates the loss as given (DeepSpeed's flag), for a caller that
+        scales it itself, e.g. by the length of a window it ended early; fp16's loss scale is
+        applied either way. Whether this micro-step ends the accumulation window is decided here
+        (is_gradient_accumulation_boundary), and the step() after it follows that decision."""
+        self._core.backward(loss, scale_wrt_gas=bool(scale_wrt_gas))
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's set_gradient_accumulation_boundary: True or False decides whether each
+        following micro-step ends the accumulation window (its backward reduces the gradients for
+        the optimizer, its step() steps), until set again; None returns to counting
+        gradient_accumulation_steps micro-steps from the last boundary. The Hugging Face Trainer
+        sets it on every micro-step, True on the last of a window it ends early (the end of an
+        epoch that does not divide by the accumulation steps); the next window then counts from
+        there. Set it before the micro-step's backward: a micro-step whose backward ran keeps the
+        decision that backward took. Every rank sets the same."""
+        self._core.set_gradient_accumulation_boundary(None if is_boundary is None else bool(is_boundary))
 
     @names_missing_ranks
     def step(self):

@@ -230,7 +230,7 @@ std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const st
                            const std::string& clientState, const std::string& rankError, bool excludeFrozen) {
   const UncountedCollectives uncounted(s.comm);
   const int rank = s.comm.rank();
-  const int64_t boundaries = s.microSteps / s.accumulationSteps;
+  const int64_t boundaries = s.window.boundaries();
   const std::string tag = tagIn.empty() ? defaultTag(boundaries) : tagIn;
   checkTag(tag);
   const std::string staging = stagingPath(dir, tag);
@@ -400,7 +400,7 @@ LoadedCheckpoint loadCheckpoint(CheckpointedState s, const std::string& dir, con
     for (int g = 0; g < s.optimizer.numGroups(); ++g) s.optimizer.hyper(g) = m.groups[g];
     if (s.scaler && m.lossScaler) s.scaler->restore(*m.lossScaler);
     s.skippedSteps = m.skippedSteps;
-    s.microSteps = m.boundaries * s.accumulationSteps;
+    s.window.restore(m.boundaries);
   }
   if (options.optimizerStates && s.comm.rank() == 0) {
     if (const auto change = batchChange(m, s.batch, s.comm.worldSize())) TORCH_WARN(*change);

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "zeroshard/accumulation_window.h"
 #include "zeroshard/checkpoint/module_state.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
@@ -71,8 +72,9 @@ struct CheckpointedState {
   // the same b in the same order). Below stage 3 there are none.
   const std::vector<Bucket>& frozenBuckets;
   std::function<void(size_t frozenBucket, const std::function<void()>& use)> withFrozenWhole;
-  int64_t accumulationSteps;
-  int64_t& microSteps;  // a multiple of accumulationSteps: checkpoints are between steps
+  // The boundaries passed are saved; a load restores them with no window open (checkpoints are
+  // taken between windows).
+  AccumulationWindow& window;
   int64_t& skippedSteps;
   LrSchedule* schedule;  // none without a config "scheduler"
   // This rank's place in its shard group (hybrid sharding; otherwise the world's rank and size).

@@ -70,16 +70,16 @@ class DeepSpeedEngine(torch.nn.Module):
         and reduces the gradients; returns the loss so scaled, as DeepSpeed does."""
         if retain_graph:
             raise NotImplementedError("zeroshard.deepspeed: engine.backward(retain_graph=True) is not supported")
-        gas = self.gradient_accumulation_steps()
-        # The core always divides by the accumulation steps.
-        self._engine.backward(loss if scale_wrt_gas or gas == 1 else loss * gas)
-        return loss / gas if scale_wrt_gas else loss
+        self._engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self, lr_kwargs=None):
         """Call after every backward: at the accumulation boundary the optimizer steps, then the
         learning-rate schedule."""
         if lr_kwargs is not None:
             raise NotImplementedError("zeroshard.deepspeed: engine.step(lr_kwargs=...) is not supported")
+        # After the backward: the decision it took, which the step follows (a boundary set since
+        # applies from the next micro-step).
         boundary = self.is_gradient_accumulation_boundary()
         stepped = self._engine.step()
         self._step_applied = bool(stepped)
@@ -96,7 +96,18 @@ class DeepSpeedEngine(torch.nn.Module):
         them in its own flat buffers between micro-batches)."""
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """Whether the coming micro-step (after its backward: this one) ends the accumulation
+        window: the value set_gradient_accumulation_boundary set, else whether the window has
+        gradient_accumulation_steps micro-steps with it, which is DeepSpeed's
+        (micro_steps + 1) % gradient_accumulation_steps == 0 unless a window was ended early."""
+        return self._engine.is_gradient_accumulation_boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's: True or False decides whether each following micro-step ends the
+        accumulation window, until set again (None: count gradient_accumulation_steps
+        micro-steps from the last boundary). accelerate sets it before every backward from the
+        Trainer's sync_gradients (zeroshard.Engine.set_gradient_accumulation_boundary)."""
+        self._engine.set_gradient_accumulation_boundary(is_boundary)
 
     def train_batch_size(self):
         return self._engine.train_batch_size

@@ -107,7 +107,6 @@ def train_case(rank, world_size, out_dir, system, stage):
         whole.eval()
         with torch.no_grad():
             out["generated_whole"] = whole.generate(prompt, max_new_tokens=6, do_sample=False)
-        out["plan"] = trainer.engine.plan()
     return out
 
 
@@ -172,7 +171,8 @@ def sft_case(rank, world_size, out_dir, system, stage, model_dir=None):
     args = trl.SFTConfig(output_dir=out_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=2,
                          learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, num_train_epochs=1,
                          logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                         optim="adamw_torch", dataloader_num_workers=0)
+                         optim="adamw_torch", dataloader_num_workers=0,
+                         bf16=False)  # SFTConfig's default is bf16, autocast for the plain SFTTrainer
     if model_dir is not None:
         import transformers
 

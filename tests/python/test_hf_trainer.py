@@ -6,6 +6,7 @@ One spawned run per world size holds every case of that world size (spawn.Shared
 """
 
 import json
+import math
 import os
 import sys
 
@@ -108,7 +109,6 @@ def test_evaluate_and_predict_equal_the_plain_trainer(runs, stage):
 
 def test_generate_at_stage3_gives_the_whole_model_tokens(runs):
     for rank_result in runs.result(2, "stage3"):
-        assert "units" in rank_result["plan"] or "sharded" in rank_result["plan"]
         assert torch.equal(rank_result["generated"], rank_result["generated_whole"])
         assert rank_result["generated"].shape[1] == 4 + 6
 
@@ -130,7 +130,8 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(runs):
     for rank in range(2):
         for name, value in saved[rank]["weights"].items():
             assert torch.equal(resumed[rank]["weights"][name], value), name
-    assert resumed[0]["logs"] == saved[0]["logs"][4:]
+    # Steps 1-4 come back from checkpoint-4's trainer_state.json; 5 and 6 are computed again.
+    assert resumed[0]["logs"] == saved[0]["logs"]
 
 
 def test_resume_at_one_rank_and_stage2_continues_the_run(runs):
@@ -138,7 +139,7 @@ def test_resume_at_one_rank_and_stage2_continues_the_run(runs):
     steps (the same global batches): the remaining steps and final weights as uninterrupted."""
     saved = runs.result(2, "checkpoint_stage3")[0]
     resumed = runs.result(1, "resume_one_rank")[0]
-    _assert_logs_match(resumed["logs"], saved["logs"][4:])
+    _assert_logs_match(resumed["logs"], saved["logs"])  # steps 1-4 from checkpoint-4's trainer_state.json
     _assert_weights_match(resumed["weights"], saved["weights"])
 
 
@@ -219,7 +220,7 @@ def test_sft_with_lora_on_a_from_pretrained_model(runs, pretrained):
 def test_auto_values_come_from_the_training_arguments(runs):
     """Hugging Face's template (every Trainer-owned value "auto", a DeepSpeed WarmupDecayLR):
     the engine runs with the arguments' batch sizes, clipping and AdamW, and the schedule's
-    warm-up and total steps are the Trainer's (2 of 6: up to lr, then linearly down)."""
+    warm-up and total steps are the Trainer's."""
     from hf_runs import LR, MAX_GRAD_NORM, MICRO, WEIGHT_DECAY
 
     got = runs.result(2, "auto_template")[0]
@@ -227,9 +228,11 @@ def test_auto_values_come_from_the_training_arguments(runs):
     assert got["clipping"] == MAX_GRAD_NORM
     assert got["betas"] == (0.9, 0.999) and got["eps"] == 1e-8 and got["weight_decay"] == WEIGHT_DECAY
     assert got["schedule"] == "WarmupDecayLR"
-    assert len(got["lrs"]) == 6 and max(got["lrs"]) == pytest.approx(LR)
-    assert got["lrs"].index(max(got["lrs"])) == 2  # after 2 warm-up steps
-    assert got["lrs"][-1] < got["lrs"][3] < got["lrs"][2]
+    # DeepSpeed's WarmupDecayLR: warmup_min_lr (0) for the first step, then iteration i = step - 2:
+    # log warm-up over warmup_num_steps = 2, linear decay to 0 at total_num_steps = 6 (the
+    # Trainer's 2 epochs of 3 steps).
+    gammas = [math.log(i + 1) / math.log(2) if i < 2 else (6 - i) / (6 - 2) for i in range(5)]
+    assert got["lrs"] == pytest.approx([0.0] + [LR * g for g in gammas], rel=1e-12, abs=1e-15)
 
 
 def test_a_config_value_that_disagrees_with_the_arguments_is_an_error_naming_both(tmp_path):

@@ -255,8 +255,11 @@ class ShardedTrainer:
             can_generate = getattr(model, "can_generate", None)
             if generation is not None and callable(can_generate) and can_generate():
                 generation.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
+        tokenizer = self.processing_class
+        if tokenizer is None:  # as the Trainer: the collator's tokenizer when no processing_class is given
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS_NAME))
 
 

@@ -88,14 +88,21 @@ def make_trainer(system, out_dir, world_size, stage=None, model=None, config=Non
 
 
 def train_case(rank, world_size, out_dir, system, stage):
-    """A run of 2 epochs (6 optimizer steps, one short window per epoch), then evaluate, predict
-    and, for zeroshard, greedy generation against a whole copy of the trained model."""
-    trainer = make_trainer(system, out_dir, world_size, stage)
+    """evaluate, a run of 2 epochs (6 optimizer steps, one short window per epoch), evaluate,
+    predict and, for zeroshard, greedy generation against a whole copy of the trained model."""
+    if system == "ddp":
+        # Evaluated by a Trainer of its own: the plain Trainer (transformers 5.24) evaluated before
+        # train() then trains without DDP (model_wrapped stays the bare model, no gradient averaging).
+        before = make_trainer(system, out_dir, world_size).evaluate()["eval_loss"]
+        trainer = make_trainer(system, out_dir, world_size, stage)
+    else:
+        trainer = make_trainer(system, out_dir, world_size, stage)
+        before = trainer.evaluate()["eval_loss"]  # the engine is built here, and trains on in train()
     trainer.train()
     predictions = trainer.predict(Tokens(4, seed=11)).predictions
     predictions = predictions[0] if isinstance(predictions, tuple) else predictions
     out = {"logs": logged(trainer), "weights": final_weights(trainer), "eval_loss": trainer.evaluate()["eval_loss"],
-           "predictions": torch.as_tensor(predictions)}
+           "eval_before": before, "predictions": torch.as_tensor(predictions)}
     if system != "ddp":
         prompt = Tokens(2, seed=13).ids[:, :4]
         model = trainer.model

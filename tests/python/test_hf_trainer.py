@@ -103,6 +103,7 @@ def test_trainer_matches_the_plain_trainer_at_two_ranks(runs, stage):
 def test_evaluate_and_predict_equal_the_plain_trainer(runs, stage):
     ddp = runs.result(2, "ddp")[0]
     got = runs.result(2, f"stage{stage}")[0]
+    assert _close(got["eval_before"], ddp["eval_before"])  # the engine built by evaluate() trains on
     assert _close(got["eval_loss"], ddp["eval_loss"])
     torch.testing.assert_close(got["predictions"], ddp["predictions"], rtol=TOL, atol=TOL)
 

@@ -3,6 +3,7 @@
 The work happens in C++ (zeroshard._C.Engine); this layer only forwards calls.
 """
 
+import collections
 import contextlib
 import io
 import os
@@ -289,11 +290,33 @@ class Engine:
         if exclude_frozen_parameters and _peft_adapter.is_peft_model(self.module):
             return _peft_adapter.save_adapter(self, os.fspath(save_dir), save_filename)
         self._refresh_module_state()
-        exclude = []
-        if exclude_frozen_parameters:
-            exclude = [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
         return _C._save_16bit_model(self._core, os.fspath(save_dir), save_filename or "model.safetensors",
-                                    exclude)["saved"]
+                                    self._frozen_names(exclude_frozen_parameters))["saved"]
+
+    @names_missing_ranks
+    def consolidated_state_dict(self, exclude_frozen_parameters=False):
+        """The model's state dict with whole tensors on CPU, on rank 0; None on the other ranks.
+
+        What save_16bit_model would write, as a dict (DeepSpeed's
+        _zero3_consolidated_16bit_state_dict): an OrderedDict of every state_dict name in the
+        module's order, the trained parameters in the compute dtype (bf16/fp16 when enabled,
+        else fp32), buffers and frozen parameters as the model holds them; a tied weight under
+        each of its names, one tensor, as in the module's state_dict(). Each tensor is a new CPU
+        copy. exclude_frozen_parameters=True leaves out the parameters with requires_grad=False
+        (a LoRA base), under every name. Every rank calls it, outside forward and backward. At
+        stage 3 the units are gathered one at a time (never the whole model), with or without
+        stage3_gather_16bit_weights_on_model_save; rank 0 then holds the whole state dict in CPU
+        memory. docs/checkpoints.md."""
+        self._refresh_module_state()
+        result = _C._consolidated_16bit_state_dict(self._core, self._frozen_names(exclude_frozen_parameters))
+        if result["state_dict"] is None:
+            return None
+        return collections.OrderedDict(result["state_dict"])
+
+    def _frozen_names(self, exclude):
+        if not exclude:
+            return []
+        return [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
     def __getattr__(self, name):
         # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,

@@ -11,6 +11,8 @@ import os
 import torch
 
 from zeroshard import _C
+from zeroshard._destroyed import Destroyed
+from zeroshard.lr_schedule import ConfigSchedule
 from zeroshard import peft_adapter as _peft_adapter
 from zeroshard import pretrained as _pretrained
 from zeroshard.pretrained import PretrainedLoad
@@ -317,6 +319,34 @@ class Engine:
         if not exclude:
             return []
         return [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+    def destroy(self):
+        """Releases the engine: removes the hooks zeroshard put on the model (stage 3's unit hooks,
+        the input cast of bf16/fp16) and drops the C++ engine, freeing its flat buffers,
+        gradients, optimizer state and master weights. Any later use of the engine (or of its
+        optimizer and config scheduler) is a RuntimeError saying it was destroyed. The model is
+        left as it is: below stage 3 its parameters keep the last weights (their gradients are
+        dropped); at stage 3 they hold no data (their shards went with the engine), so save what
+        you need first (save_16bit_model, consolidated_state_dict, save_checkpoint). Call it on
+        every rank, as DeepSpeed's; a second call does nothing."""
+        if isinstance(self._core, Destroyed):
+            return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        # Stages 0-1 make each .grad a view of the engine's flat gradient buffer, which would
+        # outlive the engine through it.
+        for p in self.module.parameters():
+            if id(p) in self._trained:
+                p.grad = None
+        gone = Destroyed("this zeroshard engine", "build a new one with zeroshard.initialize()")
+        # Every Python holder of the C++ engine lets go of it, so that it is deleted here.
+        if self.optimizer is not None:
+            self.optimizer._core = gone
+        if isinstance(self.lr_scheduler, ConfigSchedule):
+            self.lr_scheduler._core = gone
+        self._core = gone
+        self.clock_client_state = None
 
     def __getattr__(self, name):
         # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,

@@ -51,6 +51,7 @@ namespace zeroshard {
 
 class GradReducer;
 class GradStorage;
+class Progress;
 
 // A model built on the meta device (its parameters have shapes but no values, e.g. built under
 // torch.device("meta")): the engine allocates only what this rank keeps under the plan, on
@@ -251,6 +252,15 @@ class Engine {
   // DeepSpeed does. On any rank's error it fails on every rank, leaving no partial file.
   bool save16bitModel(const std::string& dir, const std::string& filename = "model.safetensors",
                       const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
+  // The same tensors as a state dict (DeepSpeed's _zero3_consolidated_16bit_state_dict): on rank 0
+  // every state-dict name in the model's order, a tied weight under each of its names (one
+  // tensor: Note [one tensor, several names]), each a whole new CPU tensor; nullopt on the other
+  // ranks. Collective and blocking: every rank calls it outside forward and backward; stage 3
+  // gathers one unit at a time (stats->gatheredPeakBytes), with or without
+  // stage3_gather_16bit_weights_on_model_save (DeepSpeed checks that flag only for the file). On
+  // any rank's error it fails on every rank.
+  std::optional<std::vector<std::pair<std::string, at::Tensor>>> consolidatedStateDict(
+      const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
 
   // Pretrained weights from a Hugging Face-style safetensors checkpoint (engine_pretrained.cpp,
   // checkpoint/pretrained.h; docs/checkpoints.md): `path` is a .safetensors file, a directory
@@ -321,6 +331,14 @@ class Engine {
   void zeroGrads();
   CheckpointedState checkpointedState();
   void checkBetweenSteps(const char* call) const;
+  // The export (engine_export.cpp, Note [streamed export]): what it holds, the stage-3 unit each
+  // tensor needs gathered, and the streaming of every tensor, whole, to `sink` on rank 0 (all
+  // ranks take part); returns rank 0's first error from the sink ("" on the other ranks).
+  using ExportSink = std::function<void(size_t tensor, const at::Tensor& value)>;
+  ModelExportPlan planExport(const ModelExportOptions& options) const;
+  int64_t exportUnitOf(const ExportSource& source) const;
+  std::string streamExport(const ModelExportPlan& exported, const ExportSink& sink, Progress& progress,
+                           ModelExportStats& stats);
 
   // Hybrid sharding: the world's ranks of this rank's shard group and replicate group (none when
   // the shard group is the world: shardComm() is comm_ then).

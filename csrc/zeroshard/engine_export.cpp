@@ -1,14 +1,16 @@
-// Engine::save16bitModel: the model for inference as one file (checkpoint/model_export.h).
+// Engine::save16bitModel: the model for inference as one file (checkpoint/model_export.h), and
+// Engine::consolidatedStateDict: the same tensors as a state dict of CPU tensors on rank 0.
 //
-// Note [streamed export]: rank 0 writes the file's header first (everything about it is known
-// from the layouts), then each tensor as soon as it is whole. Below stage 3 every parameter is
-// whole on every rank, so nothing is communicated. At stage 3 the units are gathered one at a
-// time (every rank takes part in each all-gather); rank 0 copies the unit's parameters out to
-// the file and the unit is released before the next is gathered: the export adds one unit's
-// parameters to each rank's memory, never the model. A write error on rank 0 does not stop it
-// taking part in the remaining gathers (the other ranks would wait in them); it is reported on
-// every rank at the end, and the partial file, written under a hidden name, is removed. The
-// file appears under its own name (one rename, after fsync) only when complete.
+// Note [streamed export]: both feed each tensor, as soon as it is whole, to a sink on rank 0
+// (streamExport): the file writer, which wrote the file's header first (everything about it is
+// known from the layouts), or a copy to CPU. Below stage 3 every parameter is whole on every
+// rank, so nothing is communicated. At stage 3 the units are gathered one at a time (every rank
+// takes part in each all-gather); rank 0 hands the unit's tensors to the sink and the unit is
+// released before the next is gathered: the export adds one unit's parameters to each rank's
+// memory, never the model. A sink's error on rank 0 (a failed write, no memory for a copy) does
+// not stop it taking part in the remaining gathers (the other ranks would wait in them); it is
+// reported on every rank at the end. save16bitModel writes under a hidden name, removed on
+// error; the file appears under its own name (one rename, after fsync) only when complete.
 #include "zeroshard/engine.h"
 
 #include <ATen/ops/empty.h>
@@ -51,17 +53,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
     return false;
   }
   const ModelFileFormat format = modelFileFormatOf(filename);
-  // Stage 3: the unit that must be gathered for a tensor (-1: module state, always whole).
-  const auto unitOf = [this](const ExportSource& source) -> int64_t {
-    if (!units_) return -1;
-    if (source.bucket) return static_cast<int64_t>(units_->unitOfBucket(*source.bucket).value);
-    if (source.frozenBucket) return static_cast<int64_t>(units_->unitOfFrozen(*source.frozenBucket).value);
-    return -1;
-  };
-  const ModelExportPlan exported = planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options,
-                                                   frozenBuckets_, unitOf);
-  const UncountedCollectives uncounted(comm_);
-  const UncountedCollectives uncountedShards(shardComm());
+  const ModelExportPlan exported = planExport(options);
   const bool writes = comm_.rank() == 0;
   const fs::path staging = fs::path(dir) / ("." + filename + ".partial");
   const auto device = buckets_.front().flatParams().device();
@@ -69,12 +61,10 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   const std::string outcome = "no file was written ('" + target.string() + "' is as it was)";
   ModelExportStats result;
   result.path = target.string();
-  result.tensors = static_cast<int64_t>(exported.tensors.size());
-  Progress progress("save_16bit_model '" + target.string() + "'", result.tensors, "tensors",
-                    terminalProgress(comm_.rank()));  // rank 0 writes every tensor
+  Progress progress("save_16bit_model '" + target.string() + "'", static_cast<int64_t>(exported.tensors.size()),
+                    "tensors", terminalProgress(comm_.rank()));  // rank 0 writes every tensor
 
   std::optional<ModelFileWriter> writer;
-  std::string writeError;  // rank 0's first error while streaming (Note [streamed export])
   const auto removeStaging = [&] {
     writer.reset();
     std::error_code ignored;
@@ -88,62 +78,9 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
       TORCH_CHECK(!ec, "cannot create directory '", dir, "': ", ec.message());
       writer.emplace(staging.string(), format, exported);
     });
-    size_t i = 0;
-    while (i < exported.tensors.size()) {
-      // The run of tensors whole together: one unit's at stage 3, everything below it.
-      const int64_t unit = unitOf(exported.sources[i]);
-      size_t end = i + 1;
-      if (units_) {
-        while (end < exported.tensors.size() && unitOf(exported.sources[end]) == unit) ++end;
-      } else {
-        end = exported.tensors.size();
-      }
-      // A run of trained parameters only (an adapter export) of a unit that also holds frozen
-      // ones gathers the trained bucket alone, into a buffer of its own: the frozen base is not
-      // moved to write the adapters.
-      const bool needsFrozen = std::any_of(exported.sources.begin() + static_cast<std::ptrdiff_t>(i),
-                                           exported.sources.begin() + static_cast<std::ptrdiff_t>(end),
-                                           [](const ExportSource& s) { return s.frozenBucket.has_value(); });
-      const bool alone = unit >= 0 && !needsFrozen && units_->hasFrozen(UnitIndex{static_cast<size_t>(unit)}) &&
-                         !units_->isUnsharded(UnitIndex{static_cast<size_t>(unit)});
-      at::Tensor aloneFlat;
-      if (alone) {
-        const Bucket& b = buckets_[*exported.sources[i].bucket];
-        aloneFlat = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
-        const at::Tensor shard = b.paramShard().to(aloneFlat.device());
-        shardComm().allGather(shard, aloneFlat).wait();
-        result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, static_cast<int64_t>(aloneFlat.nbytes()));
-      }
-      const bool gathered = unit >= 0 && !alone && units_->gatherUnit(UnitIndex{static_cast<size_t>(unit)});
-      if (units_) result.gatheredPeakBytes = std::max(result.gatheredPeakBytes, units_->gatheredBytes());
-      if (writes && writeError.empty()) {
-        try {
-          for (size_t t = i; t < end; ++t) {
-            const ExportSource& source = exported.sources[t];
-            if (source.bucket) {
-              const Bucket& b = buckets_[*source.bucket];
-              const auto& place = b.layout().params()[source.param];
-              const at::Tensor& flat = alone ? aloneFlat : b.flatParams();
-              const at::Tensor value = flat.narrow(0, place.offset, place.numel);
-              writer->write(value.view(place.shape));
-              progress.advance(static_cast<int64_t>(value.nbytes()));
-            } else if (source.frozenBucket) {
-              const at::Tensor value = frozenBuckets_[*source.frozenBucket].params()[source.param].detach();
-              writer->write(value);
-              progress.advance(static_cast<int64_t>(value.nbytes()));
-            } else {
-              const at::Tensor& value = moduleState_.tensors[source.moduleTensor].second;
-              writer->write(value.detach());
-              progress.advance(static_cast<int64_t>(value.nbytes()));
-            }
-          }
-        } catch (const std::exception& e) {
-          writeError = describeError(e);
-        }
-      }
-      if (gathered) units_->releaseUnit(UnitIndex{static_cast<size_t>(unit)});
-      i = end;
-    }
+    // The tensors arrive in the plan's order, the order the file lays them out in.
+    const std::string writeError =
+        streamExport(exported, [&](size_t, const at::Tensor& value) { writer->write(value); }, progress, result);
     agreeAcrossRanks(comm_, device, what, outcome, [&] {
       if (!writes) return;
       TORCH_CHECK(writeError.empty(), writeError);
@@ -159,6 +96,113 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   }
   if (stats) *stats = result;
   return true;
+}
+
+std::optional<std::vector<std::pair<std::string, at::Tensor>>> Engine::consolidatedStateDict(
+    const ModelExportOptions& optionsIn, ModelExportStats* stats) {
+  ModelExportOptions options = optionsIn;
+  options.operation = "consolidated_state_dict";
+  const ModelExportPlan exported = planExport(options);
+  const bool collects = comm_.rank() == 0;
+  ModelExportStats result;
+  Progress progress("consolidated state dict", static_cast<int64_t>(exported.tensors.size()), "tensors",
+                    terminalProgress(comm_.rank()));
+  std::vector<at::Tensor> copies(exported.tensors.size());
+  const std::string copyError = streamExport(
+      exported,
+      [&](size_t tensor, const at::Tensor& value) {
+        // A copy even of what is on the CPU already: the dict must not alias the engine's
+        // buffers, which the next step overwrites (or, at stage 3, releases).
+        copies[tensor] = value.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
+      },
+      progress, result);
+  agreeAcrossRanks(comm_, buckets_.front().flatParams().device(), "consolidated 16-bit state dict: copying to CPU",
+                   "nothing was returned", [&] { TORCH_CHECK(copyError.empty(), copyError); });
+  progress.finish();
+  if (stats) *stats = result;
+  if (!collects) return std::nullopt;
+  // Every name in the model's order; a tied weight's names share one tensor, as in the
+  // module's own state_dict() (Note [one tensor, several names]).
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(exported.stateDict.size());
+  for (const auto& [name, tensor] : exported.stateDict) out.emplace_back(name, copies[tensor]);
+  return out;
+}
+
+ModelExportPlan Engine::planExport(const ModelExportOptions& options) const {
+  return planModelExport(buckets_, moduleState_, computeDtype_, plan_.paramsSharded(), options, frozenBuckets_,
+                         [this](const ExportSource& source) { return exportUnitOf(source); });
+}
+
+// Stage 3: the unit that must be gathered for a tensor (-1: module state, always whole).
+int64_t Engine::exportUnitOf(const ExportSource& source) const {
+  if (!units_) return -1;
+  if (source.bucket) return static_cast<int64_t>(units_->unitOfBucket(*source.bucket).value);
+  if (source.frozenBucket) return static_cast<int64_t>(units_->unitOfFrozen(*source.frozenBucket).value);
+  return -1;
+}
+
+std::string Engine::streamExport(const ModelExportPlan& exported, const ExportSink& sink, Progress& progress,
+                                 ModelExportStats& stats) {
+  const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncountedShards(shardComm());
+  const bool feeds = comm_.rank() == 0;
+  stats.tensors = static_cast<int64_t>(exported.tensors.size());
+  std::string sinkError;  // rank 0's first error (Note [streamed export])
+  size_t i = 0;
+  while (i < exported.tensors.size()) {
+    // The run of tensors whole together: one unit's at stage 3, everything below it.
+    const int64_t unit = exportUnitOf(exported.sources[i]);
+    size_t end = i + 1;
+    if (units_) {
+      while (end < exported.tensors.size() && exportUnitOf(exported.sources[end]) == unit) ++end;
+    } else {
+      end = exported.tensors.size();
+    }
+    // A run of trained parameters only (an adapter export) of a unit that also holds frozen
+    // ones gathers the trained bucket alone, into a buffer of its own: the frozen base is not
+    // moved to write the adapters.
+    const bool needsFrozen = std::any_of(exported.sources.begin() + static_cast<std::ptrdiff_t>(i),
+                                         exported.sources.begin() + static_cast<std::ptrdiff_t>(end),
+                                         [](const ExportSource& s) { return s.frozenBucket.has_value(); });
+    const bool alone = unit >= 0 && !needsFrozen && units_->hasFrozen(UnitIndex{static_cast<size_t>(unit)}) &&
+                       !units_->isUnsharded(UnitIndex{static_cast<size_t>(unit)});
+    at::Tensor aloneFlat;
+    if (alone) {
+      const Bucket& b = buckets_[*exported.sources[i].bucket];
+      aloneFlat = at::empty({b.layout().paddedNumel()}, b.flatParams().options());
+      const at::Tensor shard = b.paramShard().to(aloneFlat.device());
+      shardComm().allGather(shard, aloneFlat).wait();
+      stats.gatheredPeakBytes = std::max(stats.gatheredPeakBytes, static_cast<int64_t>(aloneFlat.nbytes()));
+    }
+    const bool gathered = unit >= 0 && !alone && units_->gatherUnit(UnitIndex{static_cast<size_t>(unit)});
+    if (units_) stats.gatheredPeakBytes = std::max(stats.gatheredPeakBytes, units_->gatheredBytes());
+    if (feeds && sinkError.empty()) {
+      try {
+        for (size_t t = i; t < end; ++t) {
+          const ExportSource& source = exported.sources[t];
+          at::Tensor value;
+          if (source.bucket) {
+            const Bucket& b = buckets_[*source.bucket];
+            const auto& place = b.layout().params()[source.param];
+            const at::Tensor& flat = alone ? aloneFlat : b.flatParams();
+            value = flat.narrow(0, place.offset, place.numel).view(place.shape);
+          } else if (source.frozenBucket) {
+            value = frozenBuckets_[*source.frozenBucket].params()[source.param].detach();
+          } else {
+            value = moduleState_.tensors[source.moduleTensor].second.detach();
+          }
+          sink(t, value);
+          progress.advance(static_cast<int64_t>(value.nbytes()));
+        }
+      } catch (const std::exception& e) {
+        sinkError = describeError(e);
+      }
+    }
+    if (gathered) units_->releaseUnit(UnitIndex{static_cast<size_t>(unit)});
+    i = end;
+  }
+  return sinkError;
 }
 
 } // namespace zeroshard

@@ -3,6 +3,7 @@
 The work happens in C++ (zeroshard._C.Engine); this layer only forwards calls.
 """
 
+import collections
 import contextlib
 import io
 import os
@@ -10,6 +11,8 @@ import os
 import torch
 
 from zeroshard import _C
+from zeroshard._destroyed import Destroyed
+from zeroshard.lr_schedule import ConfigSchedule
 from zeroshard import peft_adapter as _peft_adapter
 from zeroshard import pretrained as _pretrained
 from zeroshard.pretrained import PretrainedLoad
@@ -289,11 +292,61 @@ class Engine:
         if exclude_frozen_parameters and _peft_adapter.is_peft_model(self.module):
             return _peft_adapter.save_adapter(self, os.fspath(save_dir), save_filename)
         self._refresh_module_state()
-        exclude = []
-        if exclude_frozen_parameters:
-            exclude = [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
         return _C._save_16bit_model(self._core, os.fspath(save_dir), save_filename or "model.safetensors",
-                                    exclude)["saved"]
+                                    self._frozen_names(exclude_frozen_parameters))["saved"]
+
+    @names_missing_ranks
+    def consolidated_state_dict(self, exclude_frozen_parameters=False):
+        """The model's state dict with whole tensors on CPU, on rank 0; None on the other ranks.
+
+        What save_16bit_model would write, as a dict (DeepSpeed's
+        _zero3_consolidated_16bit_state_dict): an OrderedDict of every state_dict name in the
+        module's order, the trained parameters in the compute dtype (bf16/fp16 when enabled,
+        else fp32), buffers and frozen parameters as the model holds them; a tied weight under
+        each of its names, one tensor, as in the module's state_dict(). Each tensor is a new CPU
+        copy. exclude_frozen_parameters=True leaves out the parameters with requires_grad=False
+        (a LoRA base), under every name. Every rank calls it, outside forward and backward. At
+        stage 3 the units are gathered one at a time (never the whole model), with or without
+        stage3_gather_16bit_weights_on_model_save; rank 0 then holds the whole state dict in CPU
+        memory. docs/checkpoints.md."""
+        self._refresh_module_state()
+        result = _C._consolidated_16bit_state_dict(self._core, self._frozen_names(exclude_frozen_parameters))
+        if result["state_dict"] is None:
+            return None
+        return collections.OrderedDict(result["state_dict"])
+
+    def _frozen_names(self, exclude):
+        if not exclude:
+            return []
+        return [n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+    def destroy(self):
+        """Releases the engine: removes the hooks zeroshard put on the model (stage 3's unit hooks,
+        the input cast of bf16/fp16) and drops the C++ engine, freeing its flat buffers,
+        gradients, optimizer state and master weights. Any later use of the engine (or of its
+        optimizer and config scheduler) is a RuntimeError saying it was destroyed. The model is
+        left as it is: below stage 3 its parameters keep the last weights (their gradients are
+        dropped); at stage 3 they hold no data (their shards went with the engine), so save what
+        you need first (save_16bit_model, consolidated_state_dict, save_checkpoint). Call it on
+        every rank, as DeepSpeed's; a second call does nothing."""
+        if isinstance(self._core, Destroyed):
+            return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        # Stages 0-1 make each .grad a view of the engine's flat gradient buffer, which would
+        # outlive the engine through it.
+        for p in self.module.parameters():
+            if id(p) in self._trained:
+                p.grad = None
+        gone = Destroyed("this zeroshard engine", "build a new one with zeroshard.initialize()")
+        # Every Python holder of the C++ engine lets go of it, so that it is deleted here.
+        if self.optimizer is not None:
+            self.optimizer._core = gone
+        if isinstance(self.lr_scheduler, ConfigSchedule):
+            self.lr_scheduler._core = gone
+        self._core = gone
+        self.clock_client_state = None
 
     def __getattr__(self, name):
         # stage, rank, world_size, global_steps, micro_steps, gradient_accumulation_steps,

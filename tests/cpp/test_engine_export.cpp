@@ -156,3 +156,46 @@ TEST_CASE("stage 0 writes a torch file with every name, the tied one included", 
   CHECK(at::equal(loaded.at("head_tied").toTensor(), net.initial[2].second));
   CHECK(at::equal(loaded.at("scale").toTensor(), net.scale));
 }
+
+TEST_CASE("the consolidated state dict at stage 3, without the gather flag, holds every name whole on CPU",
+          "[engine_export]") {
+  Net net;
+  auto engine = makeEngine(net, 3, /*gather=*/false, /*bf16=*/true);
+  const int64_t heldBytes = engine->memoryStats().paramBytes;
+  ModelExportStats stats;
+  Warnings warnings;
+  const auto state = engine->consolidatedStateDict({}, &stats);
+  CHECK(warnings.messages.empty());
+  REQUIRE(state.has_value());  // rank 0 of one
+  std::vector<std::string> names;
+  for (const auto& [name, value] : *state) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"blocks.0.w", "blocks.1.w", "head", "head_tied", "scale"});
+  for (size_t i = 0; i < net.initial.size(); ++i) {
+    CHECK((*state)[i].second.device().is_cpu());
+    CHECK(at::equal((*state)[i].second, net.initial[i].second.to(at::kBFloat16)));
+  }
+  // The tied name is the same tensor; the buffer a copy, not the engine's own.
+  CHECK((*state)[3].second.is_same((*state)[2].second));
+  CHECK(at::equal((*state)[4].second, net.scale));
+  CHECK_FALSE((*state)[4].second.is_same(net.scale));
+  CHECK(stats.tensors == 4);
+  CHECK(stats.gatheredPeakBytes == 64 * 2);  // blocks.0 alone, in bf16
+  for (const auto& [name, p] : net.params) CHECK(p.storage().nbytes() == 0);  // every unit released
+  CHECK(engine->memoryStats().paramBytes == heldBytes);
+}
+
+TEST_CASE("the consolidated state dict leaves out what it is told to, and below stage 3 gathers nothing",
+          "[engine_export]") {
+  Net net;
+  auto engine = makeEngine(net, 1, /*gather=*/false, /*bf16=*/false);
+  ModelExportStats stats;
+  const auto state = engine->consolidatedStateDict({{"blocks.1.w", "scale"}}, &stats);
+  REQUIRE(state.has_value());
+  std::vector<std::string> names;
+  for (const auto& [name, value] : *state) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"blocks.0.w", "head", "head_tied"});
+  CHECK(at::equal((*state)[0].second, net.initial[0].second));
+  CHECK(stats.gatheredPeakBytes == 0);
+  CHECK_THROWS_WITH(engine->consolidatedStateDict({{"nope"}}),
+                    Catch::Contains("consolidated_state_dict: cannot exclude 'nope'"));
+}

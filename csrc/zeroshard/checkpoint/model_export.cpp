@@ -50,8 +50,8 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
 
   std::unordered_set<std::string> excluded;
   for (const auto& name : options.exclude) {
-    TORCH_CHECK(std::find(keys.begin(), keys.end(), name) != keys.end(), "zeroshard save_16bit_model: cannot "
-                "exclude '", name, "': the model's state dict has no such entry");
+    TORCH_CHECK(std::find(keys.begin(), keys.end(), name) != keys.end(), "zeroshard ", options.operation,
+                ": cannot exclude '", name, "': the model's state dict has no such entry");
     excluded.insert(name);
   }
 
@@ -82,7 +82,7 @@ ModelExportPlan planModelExport(const std::vector<Bucket>& buckets, const Module
       index = it->second;
     } else {
       const auto m = moduleIndex.find(key);
-      TORCH_CHECK(m != moduleIndex.end(), "zeroshard save_16bit_model: state-dict name '", key,
+      TORCH_CHECK(m != moduleIndex.end(), "zeroshard ", options.operation, ": state-dict name '", key,
                   "' is neither a trained parameter nor module state");
       const at::Tensor& tensor = moduleState.tensors[m->second].second;
       const auto [it, isNew] = ofModule.emplace(tensor.unsafeGetTensorImpl(), index);

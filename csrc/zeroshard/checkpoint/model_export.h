@@ -38,6 +38,8 @@ struct ModelExportOptions {
   // State-dict names to leave out, e.g. the frozen parameters (DeepSpeed's
   // exclude_frozen_parameters); a name the model does not have is an error.
   std::vector<std::string> exclude;
+  // The call that exports, as its errors name it.
+  std::string operation = "save_16bit_model";
 };
 
 // What one save16bitModel call did.

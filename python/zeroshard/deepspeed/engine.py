@@ -7,16 +7,33 @@ and `global_samples` rise at each accumulation boundary (also one that fp16 skip
 DeepSpeed), and they travel in checkpoints.
 """
 
+import functools
 import os
 
 import torch
 import torch.distributed as dist
 
+from zeroshard._destroyed import Destroyed
 from zeroshard._warnings import warn_at_caller
 from zeroshard.peft_adapter import is_peft_model
 
 # Where the drop-in keeps DeepSpeed's counters inside zeroshard's client state.
 _STATE_KEY = "zeroshard.deepspeed"
+
+
+def _needs_engine(method):
+    """For the methods that would otherwise answer from what the engine left behind after
+    destroy() (the model, the optimizer's param_groups, the config dict): the same error as a
+    call that reaches the destroyed engine."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        engine = self.__dict__.get("_engine")
+        if isinstance(engine, Destroyed):
+            raise engine.error(method.__name__)
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -62,6 +79,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def skipped_steps(self):
         return self._engine.skipped_steps
 
+    @_needs_engine
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
@@ -88,9 +106,11 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
 
+    @_needs_engine
     def was_step_applied(self):
         return self._step_applied
 
+    @_needs_engine
     def zero_grad(self, set_to_none=True):
         """Nothing to do: the engine zeroes the gradients after each optimizer step (and holds
         them in its own flat buffers between micro-batches)."""
@@ -136,19 +156,23 @@ class DeepSpeedEngine(torch.nn.Module):
     def bfloat16_enabled(self):
         return self._engine.config.bf16_enabled
 
+    @_needs_engine
     def gradient_clipping(self):
         return self.config.get("gradient_clipping", 0.0)
 
     def get_global_grad_norm(self):
         return self._engine.last_grad_norm
 
+    @_needs_engine
     def get_lr(self):
         """Each param group's learning rate, as the next optimizer step will use it."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    @_needs_engine
     def get_mom(self):
         return [group["betas"] for group in self.optimizer.param_groups]
 
+    @_needs_engine
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """Saves a sharded checkpoint to save_dir/tag (default "global_step<global_steps>"); every
         rank calls it between optimizer steps. Returns True, as DeepSpeed does."""
@@ -168,6 +192,7 @@ class DeepSpeedEngine(torch.nn.Module):
             dist.barrier(self._group)
         return True
 
+    @_needs_engine
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """Loads load_dir/tag (default: the one `latest` names) at any world size and stage.
@@ -207,6 +232,35 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
         return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """DeepSpeed's: the model's state dict (its own names, every one; trained parameters in the
+        compute dtype) as an OrderedDict of whole CPU tensors on global rank 0, None on the other
+        ranks. Every rank calls it. At stage 3 it gathers one unit at a time, with or without
+        stage3_gather_16bit_weights_on_model_save (which only save_16bit_model checks); it works at
+        the other stages too. exclude_frozen_parameters=True leaves out the parameters with
+        requires_grad=False, as the Hugging Face Trainer asks for a peft model
+        (zeroshard.Engine.consolidated_state_dict)."""
+        return self._engine.consolidated_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (or its alias
+        stage3_gather_fp16_weights_on_model_save); False when not set."""
+        return self._engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def destroy(self):
+        """DeepSpeed's: releases the engine. The hooks zeroshard put on the model are removed and the
+        zeroshard engine with its sharded state is freed (zeroshard.Engine.destroy); any later call
+        on this engine raises a RuntimeError saying it was destroyed. The model stays: its weights
+        as trained below stage 3, no data in its parameters at stage 3 (save them first). Every rank
+        calls it; a second call does nothing."""
+        if isinstance(self._engine, Destroyed):
+            return
+        if self._gathered_depth:
+            raise RuntimeError("zeroshard.deepspeed: destroy() inside deepspeed.zero.GatheredParameters; leave the "
+                               "context first")
+        self._engine.destroy()
+        self._engine = Destroyed("this zeroshard.deepspeed engine", "build a new one with deepspeed.initialize()")
 
     # GatheredParameters (zero.py) calls these.
     def _enter_gathered(self):

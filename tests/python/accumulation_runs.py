@@ -127,3 +127,30 @@ def dropin_scale_wrt_gas(rank, world_size):
                 engine.step()
         states.append((engine.global_steps, engine._engine.full_state_dict()))
     return states
+
+
+def dropin_accelerate_loop(rank, world_size, stage):
+    """accelerate's DeepSpeedEngineWrapper.backward: boundary, backward, and step() only when the
+    window ends; against the same windows with step() after every backward."""
+    import zeroshard.deepspeed as deepspeed
+
+    states = []
+    for every_micro_step in (True, False):
+        model = make_model()
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, world_size))
+        for window, length in enumerate(WINDOWS):
+            for i, tokens in enumerate(window_micro_batches(window, length, rank, world_size)):
+                sync = i == length - 1
+                engine.set_gradient_accumulation_boundary(sync)
+                engine.backward(model.loss(tokens) / length, scale_wrt_gas=False)
+                if sync or every_micro_step:
+                    engine.step()
+        states.append((engine.global_steps, engine._engine.full_state_dict()))
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(model.loss(window_micro_batches(3, 1, rank, world_size)[0]))
+    try:
+        engine.backward(model.loss(window_micro_batches(3, 1, rank, world_size)[0]))
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return dict(states=states, error=error)

@@ -11,8 +11,8 @@ The engine alone, from C++: tests/cpp/test_engine_accumulation.cpp.
 import pytest
 import torch
 
-from accumulation_runs import (GAS, MICRO, WINDOWS, dropin_false_at_the_boundary, dropin_forced_windows,
-                               dropin_scale_wrt_gas, forced_windows)
+from accumulation_runs import (GAS, MICRO, WINDOWS, dropin_accelerate_loop, dropin_false_at_the_boundary,
+                               dropin_forced_windows, dropin_scale_wrt_gas, forced_windows)
 from models import global_batch, make_model
 from spawn import SharedRuns
 from training import AdamWReference
@@ -31,6 +31,7 @@ def runs(tmp_path_factory):
     for stage in (1, 3):
         cases[f"dropin_stage{stage}"] = (dropin_forced_windows, stage, str(tmp_path_factory.mktemp(f"ds{stage}")))
     cases["false_at_boundary"] = (dropin_false_at_the_boundary,)
+    cases["accelerate_loop"] = (dropin_accelerate_loop, 3)
     cases["scale_wrt_gas"] = (dropin_scale_wrt_gas,)
     return SharedRuns({WORLD: cases})
 
@@ -102,3 +103,15 @@ def test_backward_without_scale_wrt_gas_equals_backward_of_loss_over_gas_bitwise
         assert steps == steps_unscaled == 2
         for name, value in scaled.items():
             assert torch.equal(unscaled[name], value), name
+
+
+def test_the_dropin_takes_accelerates_loop_that_steps_only_at_the_boundary(runs):
+    """accelerate calls step() only after a window's last backward (DeepSpeed allows it): the
+    same weights, bitwise, as step() after every backward; a second backward after one that
+    ended a window, with no step() between, is an error saying to step."""
+    for out in runs.result(WORLD, "accelerate_loop"):
+        (steps_every, every), (steps_sync, sync) = out["states"]
+        assert steps_every == steps_sync == len(WINDOWS)
+        for name, value in every.items():
+            assert torch.equal(sync[name], value), name
+        assert out["error"] is not None and "call engine.step() after that backward" in out["error"]

@@ -53,6 +53,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_rank = dist.get_rank()
         self.world_size = self.dp_world_size = dist.get_world_size(group)
         self._step_applied = False
+        # After a backward not followed by step() yet: whether it ended the window (else None).
+        self._unstepped = None
         self._gathered_depth = 0
         self._gathered = None
         # The engine's parameter order, which every rank shares (GatheredParameters broadcasts in it).
@@ -88,17 +90,29 @@ class DeepSpeedEngine(torch.nn.Module):
         and reduces the gradients; returns the loss so scaled, as DeepSpeed does."""
         if retain_graph:
             raise NotImplementedError("zeroshard.deepspeed: engine.backward(retain_graph=True) is not supported")
+        if self._unstepped is not None:
+            # accelerate steps only at a boundary (DeepSpeedEngineWrapper.backward), which
+            # DeepSpeed allows: the micro-step it left is finished here. One that ended a window
+            # holds an optimizer step that must not run late.
+            if self._unstepped:
+                raise RuntimeError("zeroshard.deepspeed: engine.backward() called again after a backward that ended "
+                                   "an accumulation window, without engine.step() between: call engine.step() "
+                                   "after that backward (it takes the optimizer step)")
+            self._engine.step()
         self._engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        self._unstepped = self.is_gradient_accumulation_boundary()  # the decision this backward took
         return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self, lr_kwargs=None):
-        """Call after every backward: at the accumulation boundary the optimizer steps, then the
-        learning-rate schedule."""
+        """Call after every backward (or, as accelerate does, only after the backward that ends
+        the window): at the accumulation boundary the optimizer steps, then the learning-rate
+        schedule."""
         if lr_kwargs is not None:
             raise NotImplementedError("zeroshard.deepspeed: engine.step(lr_kwargs=...) is not supported")
         # After the backward: the decision it took, which the step follows (a boundary set since
         # applies from the next micro-step).
         boundary = self.is_gradient_accumulation_boundary()
+        self._unstepped = None
         stepped = self._engine.step()
         self._step_applied = bool(stepped)
         if boundary:

@@ -104,8 +104,10 @@ def main():
 
     if dist.get_rank() == 0:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        precision = "bf16" if trainer.engine.config.bf16_enabled else "fp32"
         print(f"finetune_trainer: {'Trainer' if opts.no_trl else 'SFTTrainer + LoRA'} at stage {opts.stage} on "
-              f"{dist.get_world_size()} ranks: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+              f"{dist.get_world_size()} ranks, {precision}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over "
+              f"{len(losses)} steps; "
               f"saved {sorted(os.listdir(os.path.join(opts.work, 'final')))}")
     dist.destroy_process_group()
 

@@ -238,9 +238,18 @@ def auto_case(rank, world_size, out_dir):
     """The template's values as the engine took them, and the learning rates of a 6-step run."""
     trainer = make_trainer("zeroshard", out_dir, world_size, config=AUTO_TEMPLATE)
     trainer.train()
+    lrs = [lr for _, _, _, lr in logged(trainer)]  # a second train() starts a new log
+    try:
+        trainer.train()
+        again = None
+    except RuntimeError as e:
+        again = str(e)
     engine = trainer.engine
     group = engine.optimizer.param_groups[0]
-    return {"train_batch_size": engine.train_batch_size, "micro": engine.train_micro_batch_size_per_gpu,
+    zero = engine.config.zero_optimization
+    return {"train_again": again, "buckets": (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size,
+                                              zero.stage3_param_persistence_threshold),
+            "train_batch_size": engine.train_batch_size, "micro": engine.train_micro_batch_size_per_gpu,
             "accumulation": engine.gradient_accumulation_steps, "clipping": engine.config.gradient_clipping,
             "betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
-            "schedule": engine.lr_scheduler.type, "lrs": [lr for _, _, _, lr in logged(trainer)]}
+            "schedule": engine.lr_scheduler.type, "lrs": lrs}

@@ -96,7 +96,7 @@ def test_absent_trainer_keys_are_filled_and_sections_are_not_created(tmp_path):
     cfg = trainer_config({}, make_args(tmp_path), 100)
     assert "fp16" not in cfg and "bf16" not in cfg and "optimizer" not in cfg and "scheduler" not in cfg
     assert cfg["gradient_clipping"] == 1.0
-    cfg = trainer_config({"fp16": {"loss_scale": 0}}, make_args(tmp_path, fp16_full_eval=True), 100)
+    cfg = trainer_config({"fp16": {"loss_scale": 0}}, make_args(tmp_path, fp16=True, use_cpu=False), 100)
     assert cfg["fp16"] == {"loss_scale": 0, "enabled": True}
 
 
@@ -127,7 +127,7 @@ def test_mismatches_are_collected_into_one_error(tmp_path):
                  "optimizer.params.betas=[0.9, 0.95] in the zero_config, but TrainingArguments "
                  "[adam_beta1, adam_beta2]=[0.9, 0.999]",
                  "scheduler.params.total_num_steps=7 in the zero_config, but the Trainer's num_training_steps=100",
-                 "bf16.enabled=true in the zero_config, but TrainingArguments bf16 or bf16_full_eval = False"):
+                 "bf16.enabled=true in the zero_config, but TrainingArguments bf16=False"):
         assert line in msg
     assert "warmup_min_lr" not in msg  # no argument owns it: filled only, never a disagreement
     assert '"auto"' in msg and "drop the key" in msg and "change the argument" in msg
@@ -154,7 +154,7 @@ def test_bfloat16_alias_is_the_bf16_section(tmp_path):
     cfg = trainer_config({"bfloat16": {"enabled": "auto"}}, args, 10)
     assert cfg["bfloat16"] == {"enabled": True} and "bf16" not in cfg
     assert trainer_config({"bfloat16": {}}, args, 10)["bfloat16"] == {"enabled": True}
-    with pytest.raises(ValueError, match=r"bfloat16.enabled=false in the zero_config.*bf16_full_eval = True"):
+    with pytest.raises(ValueError, match=r"bfloat16.enabled=false in the zero_config, but TrainingArguments bf16=True"):
         trainer_config({"bfloat16": {"enabled": False}}, args, 10)
     assert zeroshard.Config.from_dict(cfg).bf16
 
@@ -259,3 +259,18 @@ def test_unknown_steps_leave_the_schedule_step_counts_as_written(tmp_path):
     assert cfg["scheduler"]["params"]["warmup_num_steps"] == 5
     with pytest.raises(ValueError, match="total_num_steps=1000 in the zero_config"):
         trainer_config(written, make_args(tmp_path), 20)
+
+
+@pytest.mark.parametrize("argument, value, says", [
+    ("fp16_full_eval", True, "its own compute dtype"), ("bf16_full_eval", True, "its own compute dtype"),
+    ("torch_compile", True, "not supported yet"), ("lr_scheduler_type", "reduce_lr_on_plateau", "evaluation metrics"),
+    ("lr_scheduler_type", "greedy", "evaluation metrics")])
+def test_arguments_the_engine_cannot_honour_are_refused(tmp_path, argument, value, says):
+    evaluated = {"eval_strategy": "steps"} if argument == "lr_scheduler_type" else {}  # the plateau ones need it
+    with pytest.raises(ValueError, match=f"TrainingArguments {argument}=.*{says}"):
+        trainer_config({}, make_args(tmp_path, **{argument: value}, **evaluated), 10)
+
+
+def test_a_scheduler_section_replaces_a_plateau_schedule(tmp_path):
+    args = make_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps")
+    assert trainer_config({"scheduler": {"type": "WarmupLR"}}, args, 10)["scheduler"]["type"] == "WarmupLR"

@@ -36,7 +36,9 @@ def test_example_trains_lora_with_trl_under_torchrun(tmp_path):
     code, output = results[0]
     assert code == 0, report(results)
     line = next(line for line in output.splitlines() if line.startswith("finetune_trainer:"))
-    assert "SFTTrainer + LoRA at stage 3 on 2 ranks" in line and "over 4 steps" in line, line
+    assert "SFTTrainer + LoRA at stage 3 on 2 ranks, bf16" in line and "over 4 steps" in line, line
+    first, last = (float(x) for x in re.search(r"loss (\S+) -> (\S+)", line).groups())
+    assert last < first, line  # SFTConfig's defaults: bf16, activation checkpointing, on an fp32 base
     assert sorted(os.listdir(tmp_path / "final")) == ["adapter_config.json", "adapter_model.safetensors",
                                                       "tokenizer.json", "tokenizer_config.json", "training_args.bin"]
     checkpoints = [d for d in os.listdir(tmp_path / "run") if d.startswith("checkpoint-")]

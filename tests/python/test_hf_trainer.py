@@ -22,7 +22,7 @@ from spawn import SharedRuns  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
-STAGES = (1, 2, 3)
+STAGES = (0, 1, 2, 3)
 TOL = 1e-5
 
 
@@ -88,8 +88,8 @@ def _assert_weights_match(got, want, tol=TOL):
 @pytest.mark.parametrize("stage", STAGES)
 def test_trainer_matches_the_plain_trainer_at_two_ranks(runs, stage):
     """Logged loss, grad_norm and learning_rate at every step and the final weights equal the
-    plain Trainer's (DDP) within 1e-5, with accumulation (a short last window each epoch) and
-    clipping (max_grad_norm 0.3 clips every step)."""
+    plain Trainer's (DDP) within 1e-5, at stages 0-3, with accumulation (a short last window each
+    epoch) and clipping (max_grad_norm 0.3 clips every step)."""
     ddp = runs.result(2, "ddp")[0]
     got = runs.result(2, f"stage{stage}")
     _assert_logs_match(got[0]["logs"], ddp["logs"])
@@ -229,6 +229,8 @@ def test_auto_values_come_from_the_training_arguments(runs):
     assert got["clipping"] == MAX_GRAD_NORM
     assert got["betas"] == (0.9, 0.999) and got["eps"] == 1e-8 and got["weight_decay"] == WEIGHT_DECAY
     assert got["schedule"] == "WarmupDecayLR"
+    hidden = 32  # the model's hidden_size: Hugging Face's rules for the bucket sizes
+    assert got["buckets"] == (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
     # DeepSpeed's WarmupDecayLR: warmup_min_lr (0) for the first step, then iteration i = step - 2:
     # log warm-up over warmup_num_steps = 2, linear decay to 0 at total_num_steps = 6 (the
     # Trainer's 2 epochs of 3 steps).
@@ -247,3 +249,41 @@ def test_a_config_value_that_disagrees_with_the_arguments_is_an_error_naming_bot
     assert "gradient_clipping=1.0 in the zero_config, but TrainingArguments max_grad_norm=0.3" in str(error.value)
     assert "train_micro_batch_size_per_gpu=8 in the zero_config, but TrainingArguments " \
            "per_device_train_batch_size=2" in str(error.value)
+
+
+def test_train_runs_once_per_trainer(runs):
+    """The engine's schedule is built for one train(): a second one is an error, not a run on the
+    first one's schedule."""
+    got = runs.result(2, "auto_template")[0]
+    assert got["train_again"] is not None and "train() was called a second time" in got["train_again"]
+
+
+@pytest.mark.parametrize("arguments, says", [
+    ({"save_only_model": True, "load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+     "save_only_model=True with load_best_model_at_end=True"),
+    ({"torch_compile": True}, "torch_compile=True is not supported yet"),
+    ({"bf16_full_eval": True}, "bf16_full_eval=True is not supported")])
+def test_arguments_the_engine_cannot_honour_are_refused_when_the_trainer_is_built(tmp_path, arguments, says):
+    import zeroshard.hf
+    from hf_runs import Tokens, training_args, zero_config
+
+    with pytest.raises(ValueError, match=says):
+        zeroshard.hf.Trainer(model=tiny_llama(), args=training_args(str(tmp_path), 1, **arguments),
+                             train_dataset=Tokens(), eval_dataset=Tokens(4), zero_config=zero_config(3))
+
+
+def test_from_pretrained_refuses_adapters_that_start_from_the_base_weights(pretrained):
+    """DoRA's magnitude (the base weight's norms) cannot be computed on the meta device."""
+    import peft
+    import transformers
+
+    import zeroshard.hf
+    from zeroshard.hf.pretrained import pending_load
+
+    model = zeroshard.hf.from_pretrained(transformers.AutoModelForCausalLM, pretrained)
+    dora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="lora_magnitude_vector"):
+        pending_load(dora)
+    plain = peft.get_peft_model(zeroshard.hf.from_pretrained(transformers.AutoModelForCausalLM, pretrained),
+                                peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert pending_load(plain) is not None

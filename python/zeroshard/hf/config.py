@@ -47,6 +47,8 @@ def trainer_config(zero_config, args, num_training_steps):
     config, source = _load(zero_config)
     if "optimizer" not in config:
         _check_trainer_optimizer(args)
+    if "scheduler" not in config:
+        _check_trainer_schedule(args)
     mismatches = []
 
     def fill(path, value, says, absent=True, match=True):
@@ -77,10 +79,10 @@ def trainer_config(zero_config, args, num_training_steps):
     fill("gradient_clipping", clip, f"TrainingArguments max_grad_norm={args.max_grad_norm}")
 
     # A section is added only to turn half precision on: an absent one already means off.
-    fp16, bf16 = bool(args.fp16 or args.fp16_full_eval), bool(args.bf16 or args.bf16_full_eval)
+    fp16, bf16 = bool(args.fp16), bool(args.bf16)  # the *_full_eval ones are refused (_check_args)
     bf16_name = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
-    fill("fp16.enabled", fp16, f"TrainingArguments fp16 or fp16_full_eval = {fp16}", absent=fp16)
-    fill(f"{bf16_name}.enabled", bf16, f"TrainingArguments bf16 or bf16_full_eval = {bf16}", absent=bf16)
+    fill("fp16.enabled", fp16, f"TrainingArguments fp16={fp16}", absent=fp16)
+    fill(f"{bf16_name}.enabled", bf16, f"TrainingArguments bf16={bf16}", absent=bf16)
 
     # Sections are never created here: without one the Trainer's AdamW / schedule runs (the caller's).
     if isinstance(config.get("optimizer"), dict):
@@ -136,6 +138,16 @@ def _check_args(args):
     if args.fsdp:
         raise ValueError(f"{where} fsdp={args.fsdp!r} is set, but zeroshard does the sharding: leave fsdp unset "
                          "(zero_optimization.stage 3 in the zero_config shards parameters as FSDP does)")
+    for name in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, name, False):
+            raise ValueError(f"{where} {name}=True is not supported: the engine evaluates in its own compute dtype "
+                             "(the zero_config's bf16 / fp16 sections, filled from bf16 / fp16); leave it False")
+    if getattr(args, "torch_compile", False):
+        raise ValueError(f"{where} torch_compile=True is not supported yet: the Trainer would compile the model "
+                         "around zeroshard's hooks; leave it False")
+    if args.n_gpu > 1:
+        raise ValueError(f"{where} n_gpu={args.n_gpu}: the Trainer would wrap the model in torch.nn.DataParallel "
+                         "over every visible GPU of one process; launch one process per GPU with torchrun instead")
     if args.auto_find_batch_size:
         raise ValueError(f"{where} auto_find_batch_size=True is not supported: the engine is built with fixed "
                          "batch sizes; set per_device_train_batch_size to a size that fits and leave "
@@ -155,6 +167,17 @@ def _check_trainer_optimizer(args):
         raise ValueError(f"{where} optim_args={args.optim_args!r} cannot be honoured: zeroshard's AdamW takes only "
                          "learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay; leave optim_args "
                          "unset, or write the optimizer's params in an optimizer section of the zero_config")
+
+
+def _check_trainer_schedule(args):
+    """Without a scheduler section the Trainer's schedule runs, stepped by the engine after each
+    optimizer step: one that steps on evaluation metrics cannot be."""
+    schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if schedule in ("reduce_lr_on_plateau", "greedy"):
+        raise ValueError(f"zeroshard.hf.Trainer: TrainingArguments lr_scheduler_type={schedule!r} steps on evaluation "
+                         "metrics, but the engine steps the schedule after every optimizer step; use a schedule of "
+                         "the steps (linear, cosine, constant_with_warmup, ...) or a scheduler section in the "
+                         "zero_config")
 
 
 class _DuplicateKey(Exception):

@@ -52,6 +52,17 @@ class PendingLoad:
         self._key_mapping = key_mapping
         self._adapters = _lora_adapters(model)
         self._base_init = _meta.default_init_fn(model)
+        # Trained parameters are initialised here, not read: those of peft's LoRA A and B linears
+        # can be; any other (DoRA's magnitude, an embedding LoRA, modules_to_save's copy) starts
+        # from the base weights, which the meta model does not have yet.
+        covered = {id(p) for m in model.modules() if id(m) in self._adapters for p in m.parameters()}
+        others = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+        if _is_peft(model) and others:
+            raise ValueError("zeroshard.hf.from_pretrained: these trained parameters of the peft model start from "
+                             f"the base weights, which a model on the meta device does not have: "
+                             f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}; use a LoRA without DoRA, "
+                             "embedding targets or modules_to_save, or build the model with transformers' "
+                             "from_pretrained")
 
     def init_fn(self, module):
         adapter = self._adapters.get(id(module))
@@ -90,6 +101,10 @@ def pending_load(model):
                 return None  # materialised since (e.g. to_empty + its own load): nothing to read
             return PendingLoad(model, *source)
     return None
+
+
+def _is_peft(model):
+    return getattr(model, "peft_config", None) is not None and hasattr(model, "get_base_model")
 
 
 def _is_adapter_name(name):

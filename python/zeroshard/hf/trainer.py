@@ -72,12 +72,15 @@ class ShardedTrainer:
                              "uses) is not supported: the engine shards the model it is given once; pass model=")
         self._zero_config = zero_config
         self._zeroshard = ShardedRun()
-        self._zeroshard_steps = None
+        self._zeroshard_steps = None        # train()'s optimizer steps
+        self._zeroshard_built_steps = None  # those the engine's schedule was built for
+        self._zeroshard_trained = False
+        self._zeroshard_checkpointing = False  # inside _save_checkpoint
         super().__init__(*args, **kwargs)
-        for name in ("fp16_full_eval", "bf16_full_eval"):
-            if getattr(self.args, name, False):
-                raise ValueError(f"zeroshard.hf: TrainingArguments {name}=True is not supported: the engine evaluates "
-                                 "in its own compute dtype (the zero_config's bf16 / fp16 sections); leave it False")
+        if self.args.save_only_model and self.args.load_best_model_at_end:
+            raise ValueError("zeroshard.hf: TrainingArguments save_only_model=True with load_best_model_at_end=True "
+                             "is not supported: the best model is reloaded from the sharded checkpoint, which "
+                             "save_only_model leaves out (as under DeepSpeed and FSDP); drop one of the two")
         # Refused arguments and config values that disagree with the arguments fail here, before
         # any training (the schedule's step counts are checked at train(), where they are known).
         _config.trainer_config(zero_config, self.args, None)
@@ -93,6 +96,11 @@ class ShardedTrainer:
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(f"zeroshard.hf: the accelerate configuration turns on "
+                             f"{'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'} (accelerate launch's config or "
+                             "ACCELERATE_USE_* variables), but zeroshard does the sharding: launch with torchrun, or "
+                             "with an accelerate config that uses neither")
         cls = type(self.accelerator)
         if not issubclass(cls, ShardedAccelerator):
             sharded = ShardedAccelerator if cls is Accelerator else type(f"Sharded{cls.__name__}",
@@ -119,6 +127,7 @@ class ShardedTrainer:
             steps = self._zeroshard_steps if self._zeroshard_steps is not None else self._zeroshard_planned_steps()
             run.engine = self._zeroshard_build(steps)
             run.module = EngineModule(run.engine)
+            self._zeroshard_built_steps = steps
         return run.engine
 
     def _zeroshard_planned_steps(self):
@@ -163,6 +172,18 @@ class ShardedTrainer:
             self.lr_scheduler = held
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        # The engine's schedule is built once, for the steps of one train(): a second train() (or
+        # one whose steps differ from those an earlier evaluate or save planned) would go on
+        # with the first's schedule, which the plain Trainer rebuilds.
+        if self._zeroshard_trained:
+            raise RuntimeError("zeroshard.hf: train() was called a second time on this Trainer; its engine's "
+                               "learning-rate schedule was built for the first run. Build a new Trainer (resume "
+                               "with resume_from_checkpoint=) to train again")
+        if self._zeroshard.engine is not None and self._zeroshard_built_steps != max_steps:
+            raise RuntimeError(f"zeroshard.hf: the engine was built (by an evaluate, predict or save before train()) "
+                               f"for {self._zeroshard_built_steps} optimizer steps, but train() runs {max_steps}: "
+                               "the training data or arguments changed in between; build the Trainer again")
+        self._zeroshard_trained = True
         self._zeroshard_steps = max_steps
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
@@ -194,6 +215,13 @@ class ShardedTrainer:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model, trial):
+        self._zeroshard_checkpointing = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._zeroshard_checkpointing = False
+
     def _save_scaler(self, output_dir):
         pass  # fp16's loss scale is in the engine's checkpoint
 
@@ -218,6 +246,9 @@ class ShardedTrainer:
 
     def _load_best_model(self):
         best = self.state.best_model_checkpoint
+        if not os.path.isfile(os.path.join(best, "latest")):
+            raise FileNotFoundError(f"zeroshard.hf: load_best_model_at_end: {best} holds no zeroshard checkpoint (no "
+                                    "'latest' in it), so the best model cannot be reloaded")
         self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False)
 
     # -- the saved model ---------------------------------------------------------------------
@@ -227,15 +258,16 @@ class ShardedTrainer:
         save_16bit_model: at stage 3 one unit is gathered at a time) and the model's config; for a
         peft model the adapter only (adapter_model.safetensors, adapter_config.json). At stage 3
         without zero_optimization.stage3_gather_16bit_weights_on_model_save, the sharded checkpoint
-        instead, as the Trainer does under DeepSpeed. Every rank calls it (the Trainer does)."""
+        instead, as the Trainer does under DeepSpeed. Every rank calls it (the Trainer does): a
+        save_model() under `if trainer.is_world_process_zero():` waits for the other ranks."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.engine
         if is_peft_model(self.model):
             saved = engine.save_16bit_model(output_dir, exclude_frozen_parameters=True)
         else:
             saved = engine.save_16bit_model(output_dir, "model.safetensors")
-        # A checkpoint's own save (_internal_call) writes the sharded checkpoint next anyway.
-        if not saved and (not _internal_call or self.args.save_only_model):
+        # A checkpoint's own save writes the sharded checkpoint next anyway.
+        if not saved and (not self._zeroshard_checkpointing or self.args.save_only_model):
             warnings.warn(f"zeroshard.hf: save_model wrote the sharded checkpoint to {output_dir} instead of the "
                           "model's weights (see the warning above)", stacklevel=2)
             engine.save_checkpoint(output_dir, exclude_frozen_parameters=is_peft_model(self.model))
@@ -274,4 +306,4 @@ def wrap(trainer_class):
     if issubclass(trainer_class, ShardedTrainer):
         return trainer_class
     return type(f"Zeroshard{trainer_class.__name__}", (ShardedTrainer, trainer_class),
-                {"__module__": trainer_class.__module__, "__doc__": trainer_class.__doc__})
+                {"__module__": ShardedTrainer.__module__, "__doc__": trainer_class.__doc__})

@@ -6,7 +6,7 @@
 #include "zeroshard/checkpoint/convert.h"
 #include "zeroshard/checkpoint/manifest.h"
 #include "zeroshard/checkpoint/reader.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <memory>
 #include <optional>
@@ -46,7 +46,7 @@ void bindCheckpoint(py::module_& m) {
         "manifest.json's text for an edited manifest body (JSON text): the body with its checksum; "
         "CheckpointReader checks the rest.");
   // The same line for loops written in Python (convert's torch.save format).
-  py::class_<Progress>(m, "_Progress", "zeroshard/progress.h: one updating line on stderr, on rank 0 at a terminal.")
+  py::class_<Progress>(m, "_Progress", "zeroshard/checkpoint/progress.h: one updating line on stderr, on rank 0 at a terminal.")
       .def(py::init([](std::string title, int64_t total, std::string unit, int rank) {
              return std::make_unique<Progress>(std::move(title), total, std::move(unit), terminalProgress(rank));
            }),

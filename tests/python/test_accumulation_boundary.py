@@ -5,7 +5,7 @@ torch.optim.AdamW taking one step per window on the window's mean loss; the step
 log line, global_steps, the default checkpoint tag), and a checkpoint after the short window
 resumes. A forced False at the natural boundary keeps accumulating. Both through zeroshard.Engine
 and the DeepSpeed drop-in, 2 ranks (Gloo), one spawned pair for every case (spawn.SharedRuns).
-The engine alone, from C++: tests/cpp/test_engine_accumulation.cpp.
+The engine alone, from C++: tests/cpp/engine/test_engine_accumulation.cpp.
 """
 
 import pytest

@@ -8,7 +8,7 @@ frozen parameters, which at stage 3 are then not gathered (a LoRA base).
 
 StatefulTransformer (a tied head, a frozen parameter, a float and a long buffer) trains two
 steps at stages 1-3, fp32 and bf16, on 1 and 2 processes (Gloo); the cases of a world size share
-one spawned run (spawn.SharedRuns). The C++ side alone: tests/cpp/test_engine_export.cpp.
+one spawned run (spawn.SharedRuns). The C++ side alone: tests/cpp/engine/test_engine_export.cpp.
 """
 
 import pytest

@@ -3,7 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include "zeroshard/checkpoint/crc32.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <algorithm>
 #include <cerrno>

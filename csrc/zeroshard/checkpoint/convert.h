@@ -5,7 +5,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "zeroshard/checkpoint/reader.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <optional>
 #include <string>

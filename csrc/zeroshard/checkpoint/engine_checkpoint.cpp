@@ -11,7 +11,7 @@
 #include "zeroshard/checkpoint/safetensors.h"
 #include "zeroshard/comm/agreement.h"
 #include "zeroshard/comm/gather_values.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <algorithm>
 #include <chrono>

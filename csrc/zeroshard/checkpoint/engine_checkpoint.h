@@ -6,7 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "zeroshard/accumulation_window.h"
+#include "zeroshard/engine/accumulation_window.h"
 #include "zeroshard/checkpoint/module_state.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"

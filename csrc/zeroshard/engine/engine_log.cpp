@@ -1,6 +1,6 @@
 // The engine's progress line (step_log.h): what it reads at a print step, and the device
 // synchronisation wall_clock_breakdown times with.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 

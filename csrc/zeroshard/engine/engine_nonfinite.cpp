@@ -25,7 +25,7 @@
 // comes a step late and cannot name the parameter (its gradients are gone by then); an
 // offloaded optimizer and fp16 keep the immediate check, their host step and loss scaler
 // reading their flag at the step anyway.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
@@ -81,7 +81,7 @@ bool Engine::gradsFinite() {
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the first "
                            "parameter with a non-finite gradient is " + name;
   if (config_.extras.nonfinite == "skip") {
-    if (comm_.rank() == 0) TORCH_WARN(what, "; the step is skipped on every rank (zeroshard.nonfinite \"skip\")");
+    if (world().rank() == 0) TORCH_WARN(what, "; the step is skipped on every rank (zeroshard.nonfinite \"skip\")");
     return false;
   }
   optimizer_.discardPrepared();
@@ -104,7 +104,7 @@ bool Engine::defersNonfiniteCheck() const {
     immediate = "the offloaded optimizer steps on the host, which has the gradients' norm there anyway";
   }
   if (!immediate.empty()) {
-    if (check == "deferred" && comm_.rank() == 0) {
+    if (check == "deferred" && world().rank() == 0) {
       TORCH_WARN("zeroshard: zeroshard.nonfinite_check \"deferred\" is not used: ", immediate);
     }
     return false;
@@ -128,7 +128,7 @@ void Engine::settleLastStep(const std::optional<std::string>& where) {
       where ? "found " + *where : "found at step " + std::to_string(window_.boundaries());
   if (config_.extras.nonfinite == "skip") {
     ++skippedSteps_;
-    if (comm_.rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
+    if (world().rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
     return;
   }
   const std::string dropped = where ? "" : ", whose gradients are dropped too";

@@ -2,7 +2,7 @@
 // checkpoints on a clock (zeroshard.checkpoint.every_minutes): rank 0's clock decides, at an
 // optimizer step's boundary, and every rank learns its decision from one broadcast, so the ranks
 // never disagree on whether to save (their clocks may).
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include "zeroshard/checkpoint/engine_checkpoint.h"
 #include "zeroshard/layout/param_storage.h"
@@ -46,7 +46,7 @@ CheckpointedState Engine::checkpointedState() {
     }
     if (gathered) units_->releaseUnit(unit);
   };
-  return {config_,  plan_,    comm_,        computeDtype_, buckets_,     slots_,
+  return {config_,  plan_,    world(),        computeDtype_, buckets_,     slots_,
           optimizer_, scaler_ ? &*scaler_ : nullptr, moduleState_, frozenBuckets_, withFrozenWhole,
           window_, skippedSteps_, schedule_ ? &*schedule_ : nullptr,
           shardComm().rank(), shardComm().worldSize(), batchSizes_};
@@ -99,13 +99,13 @@ void Engine::setClock(std::function<double()> minutesNow) {
 bool Engine::checkpointDue() {
   const double every = config_.extras.checkpointEveryMinutes;
   if (every <= 0) return false;
-  const bool due = comm_.rank() == 0 && clock_() - lastSaveMinutes_ >= every;
-  const bool onCpu = hasCpuBackend(*comm_.group());
+  const bool due = world().rank() == 0 && clock_() - lastSaveMinutes_ >= every;
+  const bool onCpu = hasCpuBackend(*world().group());
   const at::Device device = onCpu ? at::Device(at::kCPU) : buckets_.front().flatParams().device();
   at::Tensor flag = at::full({1}, due ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device));
   {
-    const UncountedCollectives uncounted(comm_);
-    comm_.broadcast(flag, 0).wait();
+    const UncountedCollectives uncounted(world());
+    world().broadcast(flag, 0).wait();
   }
   return flag.item<float>() > 0;
 }

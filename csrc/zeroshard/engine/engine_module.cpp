@@ -1,6 +1,6 @@
 // The torch::nn::Module entry point of Engine, kept apart so that only this translation unit
 // pays for the C++ frontend's headers.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

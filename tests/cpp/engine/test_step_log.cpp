@@ -2,7 +2,7 @@
 // per-boundary means of an interval (communication from the communicator's wait counter).
 #include "catch.h"
 
-#include "zeroshard/step_log.h"
+#include "zeroshard/engine/step_log.h"
 
 #include <cstdint>
 #include <stdexcept>

@@ -2,7 +2,7 @@
 // always ended, and that nothing is drawn (or timed) where no one watches.
 #include "catch.h"
 
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <unistd.h>
 

@@ -11,14 +11,14 @@
 // not stop it taking part in the remaining gathers (the other ranks would wait in them); it is
 // reported on every rank at the end. save16bitModel writes under a hidden name, removed on
 // error; the file appears under its own name (one rename, after fsync) only when complete.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "zeroshard/checkpoint/checked_file.h"
 #include "zeroshard/comm/agreement.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -43,7 +43,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   if (plan_.paramsSharded() && !config_.zero.gather16bitWeightsOnModelSave) {
     // As DeepSpeed: without the flag stage 3 saves nothing rather than a file of shards. Every
     // rank returns false; rank 0 says why (the same words on every rank).
-    if (comm_.rank() == 0) {
+    if (world().rank() == 0) {
       TORCH_WARN("zeroshard save_16bit_model: did not save '", target.string(),
                  "': at stage 3 the weights must be gathered to be saved, which "
                  "zero_optimization.stage3_gather_16bit_weights_on_model_save = true allows (one unit is gathered "
@@ -54,7 +54,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   }
   const ModelFileFormat format = modelFileFormatOf(filename);
   const ModelExportPlan exported = planExport(options);
-  const bool writes = comm_.rank() == 0;
+  const bool writes = world().rank() == 0;
   const fs::path staging = fs::path(dir) / ("." + filename + ".partial");
   const auto device = buckets_.front().flatParams().device();
   const std::string what = "save_16bit_model: writing '" + target.string() + "'";
@@ -62,7 +62,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
   ModelExportStats result;
   result.path = target.string();
   Progress progress("save_16bit_model '" + target.string() + "'", static_cast<int64_t>(exported.tensors.size()),
-                    "tensors", terminalProgress(comm_.rank()));  // rank 0 writes every tensor
+                    "tensors", terminalProgress(world().rank()));  // rank 0 writes every tensor
 
   std::optional<ModelFileWriter> writer;
   const auto removeStaging = [&] {
@@ -71,7 +71,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
     fs::remove(staging, ignored);
   };
   try {
-    agreeAcrossRanks(comm_, device, what, outcome, [&] {
+    agreeAcrossRanks(world(), device, what, outcome, [&] {
       if (!writes) return;
       std::error_code ec;
       fs::create_directories(dir, ec);
@@ -81,7 +81,7 @@ bool Engine::save16bitModel(const std::string& dir, const std::string& filename,
     // The tensors arrive in the plan's order, the order the file lays them out in.
     const std::string writeError =
         streamExport(exported, [&](size_t, const at::Tensor& value) { writer->write(value); }, progress, result);
-    agreeAcrossRanks(comm_, device, what, outcome, [&] {
+    agreeAcrossRanks(world(), device, what, outcome, [&] {
       if (!writes) return;
       TORCH_CHECK(writeError.empty(), writeError);
       result.fileBytes = writer->finish();
@@ -103,10 +103,10 @@ std::optional<std::vector<std::pair<std::string, at::Tensor>>> Engine::consolida
   ModelExportOptions options = optionsIn;
   options.operation = "consolidated_state_dict";
   const ModelExportPlan exported = planExport(options);
-  const bool collects = comm_.rank() == 0;
+  const bool collects = world().rank() == 0;
   ModelExportStats result;
   Progress progress("consolidated state dict", static_cast<int64_t>(exported.tensors.size()), "tensors",
-                    terminalProgress(comm_.rank()));
+                    terminalProgress(world().rank()));
   std::vector<at::Tensor> copies(exported.tensors.size());
   const std::string copyError = streamExport(
       exported,
@@ -116,7 +116,7 @@ std::optional<std::vector<std::pair<std::string, at::Tensor>>> Engine::consolida
         copies[tensor] = value.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
       },
       progress, result);
-  agreeAcrossRanks(comm_, buckets_.front().flatParams().device(), "consolidated 16-bit state dict: copying to CPU",
+  agreeAcrossRanks(world(), buckets_.front().flatParams().device(), "consolidated 16-bit state dict: copying to CPU",
                    "nothing was returned", [&] { TORCH_CHECK(copyError.empty(), copyError); });
   progress.finish();
   if (stats) *stats = result;
@@ -144,9 +144,9 @@ int64_t Engine::exportUnitOf(const ExportSource& source) const {
 
 std::string Engine::streamExport(const ModelExportPlan& exported, const ExportSink& sink, Progress& progress,
                                  ModelExportStats& stats) {
-  const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncounted(world());
   const UncountedCollectives uncountedShards(shardComm());
-  const bool feeds = comm_.rank() == 0;
+  const bool feeds = world().rank() == 0;
   stats.tensors = static_cast<int64_t>(exported.tensors.size());
   std::string sinkError;  // rank 0's first error (Note [streamed export])
   size_t i = 0;

@@ -1,7 +1,7 @@
 // Engine's module state: buffers, frozen parameters kept whole and second names of tied
 // parameters (checkpoint/engine_checkpoint.h, ModuleState), which checkpoints, exports and
 // pretrained loads carry beside the sharded state, and rank 0's copy of it given to every rank.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -20,7 +20,7 @@ void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Ten
 }
 
 void Engine::broadcastModuleState() {
-  const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncounted(world());
   at::NoGradGuard noGrad;
   std::vector<std::pair<at::Tensor, at::Tensor>> sent;  // (the module's tensor, what is broadcast)
   std::vector<CommHandle> handles;
@@ -28,7 +28,7 @@ void Engine::broadcastModuleState() {
     if (t.is_meta() || t.numel() == 0) continue;
     at::Tensor data = t.detach();
     at::Tensor buffer = data.is_contiguous() ? data : data.contiguous();
-    handles.push_back(comm_.broadcast(buffer, 0));
+    handles.push_back(world().broadcast(buffer, 0));
     sent.emplace_back(data, buffer);
   }
   for (auto& h : handles) h.wait();

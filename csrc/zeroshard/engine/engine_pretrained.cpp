@@ -10,7 +10,7 @@
 // first (headers, byte ranges, names, shapes) and agreed across ranks (Note [agreement]), so a
 // file that does not fit changes nothing on any rank; only an I/O error after the check (a file
 // changed while being read) can leave a partial load, and it is reported on every rank.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -19,7 +19,7 @@
 #include "zeroshard/checkpoint/pretrained.h"
 #include "zeroshard/comm/agreement.h"
 #include "zeroshard/layout/param_targets.h"
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <algorithm>
 #include <memory>
@@ -28,12 +28,12 @@ namespace zeroshard {
 
 PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, const TensorRenames& renames) {
   checkBetweenSteps("load_pretrained()");
-  const UncountedCollectives uncounted(comm_);
+  const UncountedCollectives uncounted(world());
   const UncountedCollectives uncountedShards(shardComm());
   const c10::Device device = buckets_.front().flatParams().device();
   std::unique_ptr<PretrainedFiles> files;
   PretrainedMatch match;
-  agreeAcrossRanks(comm_, device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
+  agreeAcrossRanks(world(), device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
     files = std::make_unique<PretrainedFiles>(path);
     match = matchPretrained(*files, buckets_, moduleState_, renames, frozenBuckets_);
     TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match, renames));
@@ -46,9 +46,9 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
   sources += std::count_if(match.moduleState.begin(), match.moduleState.end(), found);
   for (const auto& bucket : match.frozen) sources += std::count_if(bucket.begin(), bucket.end(), found);
   // Rank 0's share (Note [progress where a person watches]): the bytes are those it reads.
-  Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(comm_.rank()));
+  Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(world().rank()));
   agreeAcrossRanks(
-      comm_, device, "load_pretrained: loading '" + path + "'",
+      world(), device, "load_pretrained: loading '" + path + "'",
       "the weights may be partly loaded (the files were checked first, so one changed or failed while being "
       "read): load them again",
       [&] {

@@ -1,4 +1,4 @@
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -78,18 +78,17 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                Config config, std::vector<UnitSpec> units, MetaInit init,
                std::vector<std::pair<std::string, at::Tensor>> frozen)
     : config_(withAutoResolved(std::move(config), groups, *processGroup)),
-      comm_(std::move(processGroup), timeoutOf(config_)),
-      plan_(ShardingPlan::fromConfig(config_, comm_.worldSize(),
+      plan_(ShardingPlan::fromConfig(config_, processGroup->getSize(),
                                      onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups),
-                                     localWorldSizeFromEnv(comm_.worldSize()))),
-      stepLog_(comm_.rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
-               [this] { return comm_.waitNanos(); }, [this] { syncComputeDevice(); }),
-      window_(config_.batchSizes(comm_.worldSize()).accumulationSteps) {
+                                     localWorldSizeFromEnv(processGroup->getSize()))),
+      groups_(std::move(processGroup), timeoutOf(config_), plan_),
+      stepLog_(world().rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
+               [this] { return world().waitNanos(); }, [this] { syncComputeDevice(); }),
+      window_(config_.batchSizes(world().worldSize()).accumulationSteps) {
   computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
   if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
-  batchSizes_ = config_.batchSizes(comm_.worldSize());
+  batchSizes_ = config_.batchSizes(world().worldSize());
   checkParamGroups(groups);
-  makeHybridGroups();
   const int shardRank = shardComm().rank();
   const int shards = shardComm().worldSize();
   const std::optional<at::Device> metaDevice = onMeta(groups) ? std::optional(init.device) : std::nullopt;
@@ -123,10 +122,10 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
     // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
     std::vector<CommHandle> handles;
     masters_.emplace(buckets_);
-    for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(comm_.broadcast(masters_->of(buckets_[i], i), 0));
+    for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(world().broadcast(masters_->of(buckets_[i], i), 0));
     // Frozen buffers are whole until the scheduler keeps this rank's shard (frozenWhole_ are
     // module state: broadcastModuleState()).
-    for (auto& b : frozenBuckets_) handles.push_back(comm_.broadcast(b.flatParams(), 0));
+    for (auto& b : frozenBuckets_) handles.push_back(world().broadcast(b.flatParams(), 0));
     for (auto& h : handles) h.wait();
     masters_->pushToParams(buckets_);
   }
@@ -139,7 +138,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
                                                  shardComm(),
                                                  config_.zero.stage3PrefetchBucketSize,
                                                  config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
-                                                 plan_.pinParams(), secondaryGroup_ ? &*secondaryGroup_ : nullptr,
+                                                 plan_.pinParams(), groups_.secondary(),
                                                  config_.extras.stage3GatherStream);
     units_ = units.get();
     params_ = std::move(units);
@@ -150,7 +149,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   // Offload (docs/offload.md): the masters move once the parameter storage holds its shards.
   if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) {
     // torchrun sets OMP_NUM_THREADS=1, which would run the host AdamW on one core.
-    if (plan_.anyOptimizerOnHost(buckets_.size()) && comm_.rank() == 0 && at::get_num_threads() == 1 &&
+    if (plan_.anyOptimizerOnHost(buckets_.size()) && world().rank() == 0 && at::get_num_threads() == 1 &&
         std::thread::hardware_concurrency() > 1) {
       TORCH_WARN("zeroshard: the offloaded optimizer steps on the host with torch's intra-op threads, and there is "
                  "1 (torchrun sets OMP_NUM_THREADS=1); call torch.set_num_threads(n) (C++: at::set_num_threads) "
@@ -169,7 +168,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   }
   grads_ = GradStorage::forPlan(plan_, buckets_, shardRank,
                                 {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"},
-                                replicateGroup_ ? &*replicateGroup_ : nullptr);
+                                groups_.replicate());
   registerShards();
   ReductionOptions reduction;
   // fp16 gradients are divided by the world size before they are summed, so the sum of many
@@ -182,7 +181,7 @@ Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::Proc
   if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterBucketReduce(bucket); };
   reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
   nonfiniteDeferred_ = defersNonfiniteCheck();
-  resetStepStats();
+  groups_.resetStepStats();
 }
 
 void Engine::registerShards() {
@@ -306,7 +305,7 @@ bool Engine::skipStep() {
 void Engine::finishStep() {
   zeroGrads();
   stepSquares_ = at::Tensor();
-  recordStepStats();
+  groups_.recordStep();
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
   lastPeakGatheredBytes_ = params_->peakGatheredBytes();

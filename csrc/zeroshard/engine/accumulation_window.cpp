@@ -1,4 +1,4 @@
-#include "zeroshard/accumulation_window.h"
+#include "zeroshard/engine/accumulation_window.h"
 
 #include <c10/util/Exception.h>
 

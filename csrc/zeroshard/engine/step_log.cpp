@@ -1,4 +1,4 @@
-#include "zeroshard/step_log.h"
+#include "zeroshard/engine/step_log.h"
 
 #include <algorithm>
 #include <charconv>

@@ -1,6 +1,6 @@
 // The engine's learning rates: the config's schedule (optim/lr_schedule.h) and the lr a client
 // sets without one.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <c10/util/Exception.h>
 

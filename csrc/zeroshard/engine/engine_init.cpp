@@ -1,7 +1,7 @@
 // Engine::initFromMeta: initialising a model built on the meta device step by step, into storage
 // that holds only what this rank keeps (engine.h, MetaInit; docs/design.md "Models on the meta
 // device").
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
@@ -113,7 +113,7 @@ void Engine::initFromMeta(const MetaInit& init) {
   std::vector<at::Tensor> states = statesOf(gens);
   for (auto& state : states) {
     at::Tensor onGroup = state.to(init.device);
-    comm_.broadcast(onGroup, 0).wait();
+    world().broadcast(onGroup, 0).wait();
     state = onGroup.cpu();
   }
   restoreStates(gens, states);
@@ -187,7 +187,7 @@ void Engine::initFromMeta(const MetaInit& init) {
   for (const auto& [name, place] : all) bucketOf(place).restoreParamView(place.index);
 
   // One rank's failure fails every rank, naming it, before anything else is compared.
-  const auto errors = allGatherText(comm_, error, init.device);
+  const auto errors = allGatherText(world(), error, init.device);
   for (size_t r = 0; r < errors.size(); ++r) {
     TORCH_CHECK(errors[r].empty(), "zeroshard: meta-device initialisation failed on rank ", r, ": ", errors[r]);
   }
@@ -209,7 +209,7 @@ void Engine::initFromMeta(const MetaInit& init) {
     const at::Tensor sums = at::stack(checksums).cpu();
     for (int64_t i = 0; i < sums.numel(); ++i) bits.push_back(bitsOf(sums[i].item<double>()));
   }
-  const auto byRank = allGatherValues(comm_, bits, init.device);
+  const auto byRank = allGatherValues(world(), bits, init.device);
   for (size_t r = 1; r < byRank.size(); ++r) {
     size_t i = 0;
     while (i < bits.size() && i < byRank[r].size() && byRank[r][i] == byRank[0][i]) ++i;

@@ -3,7 +3,7 @@
 // GatheredParameters(modifier_rank=r) in zeroshard.deepspeed (the Python layer broadcasts the
 // modified values from rank r first, so every rank writes the same thing and no collective is
 // needed here).
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include "zeroshard/layout/param_targets.h"
 
@@ -102,7 +102,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const 
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
-  UncountedCollectives uncounted(comm_);
+  UncountedCollectives uncounted(world());
   UncountedCollectives uncountedShards(shardComm());
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < buckets_.size(); ++i) {

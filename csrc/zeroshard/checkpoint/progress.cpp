@@ -1,4 +1,4 @@
-#include "zeroshard/progress.h"
+#include "zeroshard/checkpoint/progress.h"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // Engine at stage 3: the module hooks that drive the stage-3 scheduler.
-#include "zeroshard/engine.h"
+#include "zeroshard/engine/engine.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,20 +1,30 @@
 """The numbers a change to the core must not move, for comparing two builds.
 
     torchrun --nproc-per-node 2 scripts/fingerprint.py OUT.pt        # with one build
+    torchrun --nproc-per-node 4 scripts/fingerprint.py OUT.pt        # adds the 4-rank layouts
     python scripts/fingerprint.py --compare A.pt B.pt                  # after running both
 
 Trains a small transformer-like model (odd parameter sizes, one frozen-free param group split
 into decay / no decay) for 4 steps with gradient accumulation 2 and clipping, at stages 0-3 in
 fp32, bf16 and fp16; then bf16 with zeroshard.reduce_dtype "fp32", and fp32 and bf16 with
-overlap_comm off and one micro-batch per step (16-bit gradient shards); and records every rank's final weights (fp32 master and compute dtype),
+overlap_comm off and one micro-batch per step (16-bit gradient shards); then the optimizer
+offloaded to the host (offload_optimizer "cpu") at stages 1-3 in fp32, bf16 and fp16, with
+the parameters offloaded too (offload_param "cpu") and the parameters alone at stage 3, and
+half the optimizer offloaded (ratio 0.5) at stages 2-3. At 4 ranks only, it adds hybrid
+sharding 2x2 (zeroshard.shard_group_size 2) at stages 1-3 in fp32 and bf16 and with the
+optimizer offloaded, and hpZ (zero_hpz_partition_size 2) at stage 3 in fp32 and bf16 and with
+both offloaded. It records every rank's final weights (fp32 master and compute dtype),
 memory_stats() and comm_stats(). --compare exits non-zero unless the two files are bitwise
 equal, naming the first difference. Use it around a refactor: run it with the previous
-commit's build (PYTHONPATH pointing at a copy of that zeroshard package) and with the new one.
+commit's build (PYTHONPATH pointing at a copy of that zeroshard package) and with the new one,
+at the same world size (a file holds the runs valid at its world size only).
 """
 
 import argparse
 import os
 import sys
+import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -48,26 +58,55 @@ class Model(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
 
 
-# (name, precision, gradient accumulation steps, overlap_comm, zeroshard section extras)
-VARIANTS = [(p, p, GAS, True, {}) for p in PRECISIONS] + [
-    ("bf16 reduce fp32", "bf16", GAS, True, {"reduce_dtype": "fp32"}),
-    ("fp32 no overlap gas 1", "fp32", 1, False, {}),
-    ("bf16 no overlap gas 1", "bf16", 1, False, {}),
+class Variant(NamedTuple):
+    name: str
+    precision: str
+    gas: int = GAS
+    overlap: bool = True
+    zeroshard: dict = {}     # further "zeroshard" keys
+    zero: dict = {}          # further "zero_optimization" keys
+    stages: tuple = STAGES
+    world: int | None = None  # run only at this world size (its layout needs it)
+
+
+OPTIMIZER = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+PARAMS = {"offload_param": {"device": "cpu", "pin_memory": True}}
+HYBRID = {"shard_group_size": 2}  # 2 shard groups of 2 at 4 ranks
+HPZ = {"zero_hpz_partition_size": 2}
+
+# The first six are the script's original runs, their names and configs unchanged; the offload
+# runs follow, then the layouts that need 4 ranks.
+VARIANTS = [Variant(p, p) for p in PRECISIONS] + [
+    Variant("bf16 reduce fp32", "bf16", zeroshard={"reduce_dtype": "fp32"}),
+    Variant("fp32 no overlap gas 1", "fp32", 1, False),
+    Variant("bf16 no overlap gas 1", "bf16", 1, False),
+] + [Variant(f"{p} offload optimizer", p, zero=OPTIMIZER, stages=(1, 2, 3)) for p in PRECISIONS] + [
+    Variant("fp32 offload optimizer+param", "fp32", zero=OPTIMIZER | PARAMS, stages=(3,)),
+    Variant("bf16 offload optimizer+param", "bf16", zero=OPTIMIZER | PARAMS, stages=(3,)),
+    Variant("bf16 offload param", "bf16", zero=PARAMS, stages=(3,)),
+    Variant("bf16 offload optimizer ratio 0.5", "bf16", zero={"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+            stages=(2, 3)),
+    Variant("fp32 hybrid 2x2", "fp32", zeroshard=HYBRID, stages=(1, 2, 3), world=4),
+    Variant("bf16 hybrid 2x2", "bf16", zeroshard=HYBRID, stages=(1, 2, 3), world=4),
+    Variant("bf16 hybrid 2x2 offload optimizer", "bf16", zeroshard=HYBRID, zero=OPTIMIZER, stages=(1, 2, 3), world=4),
+    Variant("fp32 hpZ 2", "fp32", zero=HPZ, stages=(3,), world=4),
+    Variant("bf16 hpZ 2", "bf16", zero=HPZ, stages=(3,), world=4),
+    Variant("bf16 hpZ 2 offload optimizer+param", "bf16", zero=HPZ | OPTIMIZER | PARAMS, stages=(3,), world=4),
 ]
 
 
-def _config(stage, precision, gas, overlap, extras):
+def _config(stage, variant):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": gas,
+        "gradient_accumulation_steps": variant.gas,
         "gradient_clipping": 0.05,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": overlap,
-                              "stage3_param_persistence_threshold": 30},
-        "zeroshard": {"collective_timeout_seconds": 60, **extras},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": variant.overlap,
+                              "stage3_param_persistence_threshold": 30, **variant.zero},
+        "zeroshard": {"collective_timeout_seconds": 60, **variant.zeroshard},
     }
-    if precision != "fp32":
-        config[precision] = {"enabled": True}
+    if variant.precision != "fp32":
+        config[variant.precision] = {"enabled": True}
     return config
 
 
@@ -77,14 +116,20 @@ def record(out_path):
     import zeroshard
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # One intra-op thread per rank, the offloaded host step's too: the ranks share this
+    # machine's cores, and the engine's warning about it would repeat for every offloaded run.
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*offloaded optimizer steps on the host")
     results = {}
-    for name, precision, gas, overlap, extras in VARIANTS:
-        for stage in STAGES:
+    for variant in VARIANTS:
+        if variant.world not in (None, world):
+            continue
+        gas = variant.gas
+        for stage in variant.stages:
             model = Model()
             decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
             no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-            engine = zeroshard.initialize(model, _config(stage, precision, gas, overlap, extras), param_groups=[
+            engine = zeroshard.initialize(model, _config(stage, variant), param_groups=[
                 {"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
             for step in range(STEPS):
                 tokens = torch.randint(0, 37, (MICRO * world * gas, 9), generator=torch.Generator().manual_seed(step))
@@ -92,7 +137,7 @@ def record(out_path):
                     start = (m * world + rank) * MICRO
                     engine.backward(model.loss(tokens[start:start + MICRO]))
                     engine.step()
-            results[f"{name} stage {stage}"] = {
+            results[f"{variant.name} stage {stage}"] = {
                 "weights": engine.full_state_dict(),
                 "master": engine.full_state_dict(dtype=torch.float32),
                 "memory_stats": engine.memory_stats(),

@@ -101,6 +101,16 @@ std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchS
 std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
                            const std::string& clientState, const std::string& rankError,
                            bool excludeFrozen = false);
+class EngineGroups;
+class ModelState;
+class OptimizerStep;
+
+// The view of an engine's parts that one save or load takes (checkpointed_state.cpp): the
+// model state's buffers, the optimizer step's loss scale, schedule and skipped steps, the
+// window's counters, and the shard group's place.
+CheckpointedState checkpointedState(const Config& config, const BatchSizes& batch, EngineGroups& groups,
+                                    ModelState& model, OptimizerStep& step, AccumulationWindow& window);
+
 // Collective and blocking; `tag` empty: the `latest` one. Everything is read and checked before
 // anything changes, on every rank; then the master weights, AdamW state, counters, loss scale,
 // module state and schedule state are written. The caller then makes the parameters follow the

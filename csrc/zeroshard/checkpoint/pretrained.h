@@ -110,4 +110,14 @@ std::string describeMismatch(const std::string& path, const PretrainedMatch& mat
                              const TensorRenames& renames = {});
 constexpr size_t kListedNames = 20;
 
+class Communicator;
+class ModelState;
+
+// Engine::loadPretrained (pretrained_load.cpp, Note [pretrained reads]): `path`'s tensors by
+// state-dict name into `model` (trained parameters as setParameters writes them, stage 3's
+// frozen shards, module state), each rank reading only what it holds. Collective and blocking
+// over `world` (the agreements) and `shardComm` (uncounted).
+PretrainedLoad loadPretrained(ModelState& model, Communicator& world, Communicator& shardComm, const std::string& path,
+                              bool strict, const TensorRenames& renames);
+
 } // namespace zeroshard

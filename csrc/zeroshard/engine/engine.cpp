@@ -1,35 +1,23 @@
 #include "zeroshard/engine/engine.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "zeroshard/comm/process_group.h"
+#include "zeroshard/checkpoint/streamed_export.h"
 #include "zeroshard/config/auto_values.h"
 #include "zeroshard/grad/grad_reducer.h"
-#include "zeroshard/grad/grad_storage.h"
+#include "zeroshard/layout/param_storage.h"
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <thread>
 
 namespace zeroshard {
 namespace {
 
 std::chrono::milliseconds timeoutOf(const Config& config) {
   return std::chrono::milliseconds(static_cast<int64_t>(config.extras.collectiveTimeoutSeconds * 1000.0));
-}
-
-AdamWHyper hyperOf(const Config& config, const ParamGroupSpec& group) {
-  const auto& o = config.optimizer;
-  return AdamWHyper{group.lr.value_or(o.lr), group.beta1.value_or(o.beta1), group.beta2.value_or(o.beta2),
-                    group.eps.value_or(o.eps), group.weightDecay.value_or(o.weightDecay)};
 }
 
 // "auto" left in the config (a C++ program reading a Hugging Face-style config) is resolved
@@ -49,7 +37,6 @@ Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups
   if (group.getRank() == 0) std::printf("zeroshard: %s\n", resolved.summary.c_str());
   return std::move(resolved.config);
 }
-
 
 // Whether the parameters are on the meta device: all of them, or none (the engine then
 // allocates on MetaInit::device).
@@ -77,118 +64,33 @@ bool onMeta(const std::vector<ParamGroupSpec>& groups) {
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
                Config config, std::vector<UnitSpec> units, MetaInit init,
                std::vector<std::pair<std::string, at::Tensor>> frozen)
-    : config_(withAutoResolved(std::move(config), groups, *processGroup)),
+    : Engine(ModelInputs{std::move(groups), std::move(units), std::move(init), std::move(frozen), {}, false},
+             std::move(processGroup), std::move(config)) {}
+
+Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
+               const std::vector<std::string>& unitModules)
+    : Engine(modelInputsOf(model, unitModules), std::move(processGroup), std::move(config)) {}
+
+Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
+               const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device)
+    : Engine(modelInputsOf(model, unitModules, init, device), std::move(processGroup), std::move(config)) {}
+
+// The parts in dependency order (the members' order): the plan from the config, the groups
+// from the plan, the model state over the groups, the optimizer step over the model state.
+Engine::Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config)
+    : config_(withAutoResolved(std::move(config), model.groups, *processGroup)),
+      batchSizes_(config_.batchSizes(processGroup->getSize())),
       plan_(ShardingPlan::fromConfig(config_, processGroup->getSize(),
-                                     onMeta(groups) ? init.device.str() : deviceOfParamGroups(groups),
+                                     onMeta(model.groups) ? model.init.device.str() : deviceOfParamGroups(model.groups),
                                      localWorldSizeFromEnv(processGroup->getSize()))),
       groups_(std::move(processGroup), timeoutOf(config_), plan_),
-      stepLog_(world().rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
-               [this] { return world().waitNanos(); }, [this] { syncComputeDevice(); }),
-      window_(config_.batchSizes(world().worldSize()).accumulationSteps) {
-  computeDtype_ = config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
-  if (config_.fp16.enabled) scaler_.emplace(config_.fp16);
-  batchSizes_ = config_.batchSizes(world().worldSize());
-  checkParamGroups(groups);
-  const int shardRank = shardComm().rank();
-  const int shards = shardComm().worldSize();
-  const std::optional<at::Device> metaDevice = onMeta(groups) ? std::optional(init.device) : std::nullopt;
-  std::vector<UnitPolicy> policies;
-  std::vector<UnitBuffers> unitBuffers;
-  if (plan_.paramsSharded()) {
-    auto built = buildStage3Units(groups, std::move(units),
-                                  {config_.zero.stage3ParamPersistenceThreshold, config_.extras.reshardAfterForward},
-                                  shardRank, shards, computeDtype_, metaDevice, frozen);
-    buckets_ = std::move(built.buckets);
-    frozenBuckets_ = std::move(built.frozenBuckets);
-    frozenWhole_ = std::move(built.frozenWhole);
-    unitBuffers = std::move(built.buffers);
-    policies = std::move(built.policies);
-    specToUnit_ = std::move(built.unitOf);
-    unitInfos_ = std::move(built.infos);
-  } else {
-    buckets_ = bucketParamGroups(groups, config_.zero.reduceBucketSize, shardRank, shards, computeDtype_, metaDevice);
-    frozenWhole_ = std::move(frozen);
-  }
-
-  if (metaDevice) {
-    // Nothing to broadcast: every rank initialises the same values (engine_init.cpp), into
-    // storage that holds only what it keeps.
-    if (!plan_.paramsSharded()) {
-      for (auto& b : buckets_) b.allocateZeroed();
-    }
-    masters_.emplace(MasterWeights::allocated(buckets_, plan_.optimizerSharded(), shardRank));
-  } else {
-    // Every rank starts from rank 0's parameters, as DDP and DeepSpeed do.
-    // With 16-bit parameters the fp32 master is what is broadcast, then cast into them.
-    std::vector<CommHandle> handles;
-    masters_.emplace(buckets_);
-    for (size_t i = 0; i < buckets_.size(); ++i) handles.push_back(world().broadcast(masters_->of(buckets_[i], i), 0));
-    // Frozen buffers are whole until the scheduler keeps this rank's shard (frozenWhole_ are
-    // module state: broadcastModuleState()).
-    for (auto& b : frozenBuckets_) handles.push_back(world().broadcast(b.flatParams(), 0));
-    for (auto& h : handles) h.wait();
-    masters_->pushToParams(buckets_);
-  }
-
-  for (const auto& group : groups) optimizer_.addGroup(hyperOf(config_, group));
-  initSchedule();
-  if (!metaDevice && plan_.optimizerSharded()) masters_->shard(buckets_, shardRank);
-  if (plan_.paramsSharded()) {
-    auto units = std::make_unique<UnitScheduler>(buckets_, frozenBuckets_, std::move(unitBuffers), std::move(policies),
-                                                 shardComm(),
-                                                 config_.zero.stage3PrefetchBucketSize,
-                                                 config_.zero.stage3MaxLiveParameters, plan_.paramsOnHost(),
-                                                 plan_.pinParams(), groups_.secondary(),
-                                                 config_.extras.stage3GatherStream);
-    units_ = units.get();
-    params_ = std::move(units);
-  } else {
-    params_ = std::make_unique<ReplicatedParams>(buckets_, shardComm(), plan_.optimizerSharded(),
-                                                 config_.zero.allgatherBucketSize);
-  }
-  // Offload (docs/offload.md): the masters move once the parameter storage holds its shards.
-  if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) {
-    // torchrun sets OMP_NUM_THREADS=1, which would run the host AdamW on one core.
-    if (plan_.anyOptimizerOnHost(buckets_.size()) && world().rank() == 0 && at::get_num_threads() == 1 &&
-        std::thread::hardware_concurrency() > 1) {
-      TORCH_WARN("zeroshard: the offloaded optimizer steps on the host with torch's intra-op threads, and there is "
-                 "1 (torchrun sets OMP_NUM_THREADS=1); call torch.set_num_threads(n) (C++: at::set_num_threads) "
-                 "with this rank's share of the host's cores");
-    }
-    masters_->offload(buckets_, plan_.optimizerOnHostByBucket(buckets_.size()), plan_.paramsOnHost(),
-                      plan_.pinOptimizer());
-  }
-  // Before the gradient hooks: pointing a parameter at a scratch tensor of another dtype resets
-  // its gradient accumulator.
-  if (metaDevice) {
-    for (const auto& [name, p] : frozenWhole_) {
-      if (p.is_meta()) setTensorData(p, at::zeros(p.sizes(), p.options().device(init.device)));
-    }
-    initFromMeta(init);
-  }
-  grads_ = GradStorage::forPlan(plan_, buckets_, shardRank,
-                                {computeDtype_, batchSizes_.accumulationSteps, config_.extras.reduceDtype == "fp32"},
-                                groups_.replicate());
-  registerShards();
-  ReductionOptions reduction;
-  // fp16 gradients are divided by the world size before they are summed, so the sum of many
-  // ranks' scaled gradients stays inside fp16's range.
-  reduction.preDivide = computeDtype_ == at::kHalf;
-  reduction.reduceInFloat = config_.extras.reduceDtype == "fp32";
-  const bool gradsOnGpu = !buckets_.front().flatParams().device().is_cpu();
-  reduction.overlap = config_.zero.overlapCommResolved(gradsOnGpu);
-  reduction.maxInFlight = config_.extras.maxInflightReductions;
-  if (units_) reduction.onLaunched = [this](size_t bucket) { units_->afterBucketReduce(bucket); };
-  reducer_ = std::make_unique<GradReducer>(buckets_, *grads_, shardComm(), std::move(reduction));
-  nonfiniteDeferred_ = defersNonfiniteCheck();
+      state_(std::move(model), config_, plan_, groups_),
+      step_(config_, state_, groups_.world().rank()),
+      window_(batchSizes_.accumulationSteps),
+      stepLog_(groups_.world().rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
+               [this] { return groups_.world().waitNanos(); }, [this] { state_.synchronizeDevice(); }),
+      clock_(config_.extras.checkpointEveryMinutes) {
   groups_.resetStepStats();
-}
-
-void Engine::registerShards() {
-  for (size_t i = 0; i < buckets_.size(); ++i) {
-    slots_.push_back(registerBucket(optimizer_, buckets_[i], masters_->of(buckets_[i], i), grads_->optimizerGrad(i),
-                                    /*splitByGroup=*/plan_.paramsSharded(), shardComm().rank()));
-  }
 }
 
 Engine::~Engine() = default;
@@ -202,20 +104,21 @@ void Engine::backward(const at::Tensor& loss, bool scaleByAccumulation) {
   if (stepLog_.prints()) lastLoss_ = loss.detach();
   const int64_t accumulation = scaleByAccumulation ? batchSizes_.accumulationSteps : 1;
   const bool boundary = window_.isBoundary();
-  reducer_->beginBackward(boundary);
+  GradReducer& reducer = state_.reducer();
+  reducer.beginBackward(boundary);
   try {
     // fp16: the loss is scaled in fp32 (the gradient entering the fp16 graph is the scale).
-    const at::Tensor scaled = scaler_ ? loss.to(at::kFloat) * (scaler_->scale() / static_cast<double>(accumulation))
+    const at::Tensor scaled = step_.scaler() ? loss.to(at::kFloat) * (step_.lossScale() / static_cast<double>(accumulation))
                               : accumulation > 1 ? loss / static_cast<double>(accumulation)
                                                  : loss;
     torch::autograd::backward({scaled});
   } catch (...) {
-    reducer_->abortBackward();
-    params_->abortBackward();
+    reducer.abortBackward();
+    state_.params().abortBackward();
     throw;
   }
-  reducer_->finishBackward();
-  params_->finishBackward();
+  reducer.finishBackward();
+  state_.params().finishBackward();
   window_.recordBackward(boundary);
 }
 
@@ -226,150 +129,156 @@ bool Engine::step() {
   bool taken = false;
   {
     const TimedPhase timed(stepLog_, StepPhase::kStep);
-    taken = takeStep();
+    taken = step_.take(state_, groups_.shard(), window_.boundaries());
+    groups_.recordStep();
   }
   logBoundary();
-  saveOnClock();
+  if (clock_.savesOnStep() && checkpointDue()) saveCheckpoint(config_.extras.checkpointDir);
   return taken;
 }
 
-bool Engine::takeStep() {
-  grads_->finishCopies();
-  // Before this step reads the lr and step count, which a skipped last step must not have moved.
-  settleLastStep();
-  // Note [host writes after device reads]: the host step writes pinned host buffers (masters,
-  // stage-3 host shards) that asynchronous copies queued on the device may still be reading
-  // (the last step's copy back, a gather's host-to-device copy). Waiting for the device here
-  // costs little: the host step needs the gradients, which come after that work anyway.
-  if (plan_.anyOptimizerOnHost(buckets_.size()) || plan_.paramsOnHost()) syncComputeDevice();
-  optimizer_.prepareGrads();
-  at::Tensor skipOnDevice;  // the deferred check's flag: the kernel skips the step when it is 1
-  if (scaler_) {
-    const bool overflow = overflowed();
-    scaler_->update(overflow);
-    if (overflow) return skipStep();
-  } else if (nonfiniteDeferred_) {
-    skipOnDevice = nonfiniteOnDevice();
-  } else if (config_.extras.nonfinite != "off" && !gradsFinite()) {
-    return skipStep();  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
-  }
-  clipGradients();
-  if (plan_.anyOptimizerOnHost(buckets_.size())) {
-    stepBucketByBucket();
-  } else {
-    optimizer_.step(skipOnDevice);
-    masters_->pushToParams(buckets_);
-    params_->afterStep();
-  }
-  if (skipOnDevice.defined()) {
-    deferredSkip_.record(skipOnDevice, window_.boundaries(), optimizer_);
-  }
-  if (schedule_) applySchedule(schedule_->step());
-  finishStep();
-  return true;
+void Engine::logBoundary() {
+  const int64_t boundaries = window_.boundaries();
+  // The line reports skipped steps and the lr: the deferred nonfinite check's flag is read first,
+  // on every rank (in "error" mode they all raise here, none waits in a collective for another).
+  if (boundaries % config_.stepsPerPrint == 0) settleLastStep("at the log line of step " + std::to_string(boundaries));
+  if (!stepLog_.boundary(boundaries)) return;
+  StepLogLine line;
+  line.step = boundaries;
+  line.skipped = step_.skippedSteps();
+  line.lrs = learningRates();
+  line.lossScale = lossScale();
+  // The one read of the loss, on print steps only (a device synchronisation on a GPU).
+  if (lastLoss_.defined()) line.loss = lastLoss_.item<double>();
+  stepLog_.print(std::move(line), batchSizes_.train);
 }
 
-// Offload: bucket by bucket, the AdamW step (on the host for offloaded buckets), the copy of the
-// updated shard into the parameters (asynchronous from pinned memory on a GPU), and the start of
-// the bucket's all-gather (stages 1-2; at stage 3 the shard is the parameter storage), so each
-// bucket's copy and gather overlap the next one's step. The values are step()'s.
-void Engine::stepBucketByBucket() {
-  optimizer_.beginStep();
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    std::vector<ShardedAdamW::ShardRef> shards;
-    for (const auto& slot : slots_[b]) shards.push_back({slot.group, slot.index});
-    optimizer_.stepShards(shards);
-    masters_->pushToParams(buckets_[b], b);
-    params_->afterStepOf(b);
-  }
-  optimizer_.endStep();
-  params_->finishAfterStep();
+void Engine::setLogSink(std::function<void(const std::string&)> sink) { stepLog_.setSink(std::move(sink)); }
+void Engine::beginForward() { stepLog_.begin(StepPhase::kForward); }
+void Engine::endForward() { stepLog_.end(StepPhase::kForward); }
+
+void Engine::settleLastStep(const std::optional<std::string>& where) {
+  step_.settle(state_, window_.boundaries(), where);
 }
 
-bool Engine::overflowed() {
-  auto found = optimizer_.unscaleAndFindNonFinite(1.0 / scaler_->scale(), buckets_.front().flatParams().device());
-  // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
-  // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
-  if (plan_.optimizerSharded()) shardComm().allReduce(found).wait();
-  return found.item<float>() > 0;
+void Engine::checkLastStep() { settleLastStep("by check_last_step()"); }
+
+int64_t Engine::globalSteps() {
+  settleLastStep("when global_steps was read");
+  return state_.optimizer().stepCount();
 }
 
-// Every rank skips: parameters and optimizer state stay as they were.
-bool Engine::skipStep() {
-  optimizer_.discardPrepared();
-  ++skippedSteps_;
-  finishStep();
-  return false;
+int64_t Engine::skippedSteps() {
+  settleLastStep("when skipped_steps was read");
+  return step_.skippedSteps();
 }
 
-void Engine::finishStep() {
-  zeroGrads();
-  stepSquares_ = at::Tensor();
-  groups_.recordStep();
-  lastPeakStagingBytes_ = reducer_->peakStagingBytes();
-  reducer_->resetPeak();
-  lastPeakGatheredBytes_ = params_->peakGatheredBytes();
-  lastPeakSecondaryBytes_ = params_->peakSecondaryBytes();
-  params_->resetPeak();
+void Engine::checkBetweenSteps(const char* call) const {
+  TORCH_CHECK(window_.betweenWindows(), "zeroshard: ", call,
+              " must be called between optimizer steps (after an engine.step() that ended an "
+              "accumulation window), not inside a window: a checkpoint holds no partial gradients");
 }
 
-// The squared global norm of the step's gradients, computed once a step (the nonfinite check
-// and clipping share it).
-const at::Tensor& Engine::globalGradSquares() {
-  if (stepSquares_.defined()) return stepSquares_;
-  stepSquares_ = optimizer_.localGradSquareSum(buckets_.front().flatParams().device());
-  // Each rank holds a disjoint shard of the reduced gradients. Without clipping only the
-  // nonfinite check reads the norm: its one-value reduction is a check, not the step's traffic,
-  // and comm_stats() (held to the stages' formulas) does not count it.
-  if (plan_.optimizerSharded()) {
-    std::optional<UncountedCollectives> uncounted;
-    if (config_.gradientClipping <= 0) uncounted.emplace(shardComm());
-    shardComm().allReduce(stepSquares_).wait();
-  }
-  return stepSquares_;
+std::string Engine::saveCheckpoint(const std::string& dir, const std::string& tag, const std::string& clientState,
+                                   const std::string& rankError, bool excludeFrozen) {
+  checkBetweenSteps("save_checkpoint()");
+  settleLastStep("at save_checkpoint()");  // the step count, skipped steps and schedule it saves
+  const UncountedCollectives uncountedShards(groups_.shard());
+  auto path = zeroshard::saveCheckpoint(checkpointedState(config_, batchSizes_, groups_, state_, step_, window_), dir,
+                                        tag, clientState, rankError, excludeFrozen);
+  clock_.saved();
+  return path;
 }
 
-void Engine::clipGradients() {
-  const double maxNorm = config_.gradientClipping;
-  if (maxNorm <= 0) return;
-  lastGradNorm_ = globalGradSquares().sqrt();
-  const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
-  // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
-  // is needed; on a GPU it would be a host synchronisation, so a factor of 1 is applied there.
-  if (!coef.device().is_cpu() || coef.item<double>() < 1.0) optimizer_.scaleGrads(coef);
+LoadedCheckpoint Engine::loadCheckpoint(const std::string& dir, const std::string& tag, const LoadOptions& options) {
+  checkBetweenSteps("load_checkpoint()");
+  settleLastStep("at load_checkpoint()");  // before the load replaces what a skipped step would take back
+  auto loaded = zeroshard::loadCheckpoint(checkpointedState(config_, batchSizes_, groups_, state_, step_, window_),
+                                          dir, tag, options);
+  state_.followMasters();
+  step_.afterLoad(state_.optimizer(), loaded.schedulerStateLoaded && options.optimizerStates);
+  return loaded;
 }
 
-void Engine::zeroGrads() {
-  grads_->zero();
+bool Engine::checkpointDue() { return clock_.due(groups_.world(), state_.device()); }
+
+bool Engine::save16bitModel(const std::string& dir, const std::string& filename, const ModelExportOptions& options,
+                            ModelExportStats* stats) {
+  return exportModelFile(state_, groups_.world(), groups_.shard(), config_.zero.gather16bitWeightsOnModelSave, dir,
+                         filename, options, stats);
 }
 
-MemoryStats Engine::memoryStats() const {
-  MemoryStats stats;
-  stats.paramBytes = params_->bytes();
-  stats.gradBytes = grads_->bytes();
-  stats.gatheredPeakBytes = lastPeakGatheredBytes_;
-  stats.secondaryPeakBytes = lastPeakSecondaryBytes_;
-  stats.stagingPeakBytes = lastPeakStagingBytes_;
-  stats.fp32GradsPeakBytes = optimizer_.peakConvertedBytes();
-  // fp32 training: the master weights are the parameters' own storage, not a copy.
-  stats.optimizerBytes = optimizer_.stateBytes();
-  stats.optimizerBytes += masters_->separateBytes();
-  stats.hostParamBytes = params_->hostBytes();
-  stats.hostGradBytes = grads_->hostBytes();
-  stats.hostOptimizerBytes = masters_->hostBytes();
-  for (const auto& [name, p] : frozenWhole_) stats.frozenBytes += static_cast<int64_t>(p.nbytes());
-  if (units_) {
-    stats.frozenBytes += units_->frozenBytes();
-    stats.hostFrozenBytes = units_->frozenHostBytes();
-  }
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (!plan_.optimizerOnHost(b, buckets_.size())) continue;
-    for (const auto& slot : slots_[b]) {
-      const auto state = optimizer_.shardState(slot.group, slot.index);
-      stats.hostOptimizerBytes += static_cast<int64_t>(state.expAvg.nbytes() + state.expAvgSq.nbytes());
-    }
-  }
-  return stats;
+std::optional<std::vector<std::pair<std::string, at::Tensor>>> Engine::consolidatedStateDict(
+    const ModelExportOptions& options, ModelExportStats* stats) {
+  return exportStateDict(state_, groups_.world(), groups_.shard(), options, stats);
+}
+
+PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, const TensorRenames& renames) {
+  checkBetweenSteps("load_pretrained()");
+  return zeroshard::loadPretrained(state_, groups_.world(), groups_.shard(), path, strict, renames);
+}
+
+void Engine::setModuleState(ModuleState state) { state_.setModuleState(std::move(state)); }
+
+void Engine::setModuleStateFrom(const std::vector<std::pair<std::string, at::Tensor>>& stateDict) {
+  state_.setModuleState(moduleStateOf(stateDict, state_.buckets(), state_.frozenBuckets(), state_.frozenWhole()));
+}
+
+void Engine::broadcastModuleState() { state_.broadcastModuleState(groups_.world()); }
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const { return state_.namedParameters(); }
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
+  return state_.masterWeights(groups_.shard());
+}
+
+void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values) {
+  state_.setParameters(values);
+}
+
+void Engine::preForward(size_t unitSpec, const std::optional<std::vector<at::Tensor>>& inputs) {
+  state_.preForward(unitSpec, inputs);
+}
+
+bool Engine::watchesInputs(size_t unitSpec) const { return state_.watchesInputs(unitSpec); }
+
+void Engine::postForward(size_t unitSpec, const std::vector<at::Tensor>& outputs) {
+  state_.postForward(unitSpec, outputs);
+}
+
+at::Tensor Engine::runUnit(size_t unitSpec, const std::function<at::Tensor()>& forward) {
+  if (!state_.units()) return forward();
+  preForward(unitSpec);
+  at::Tensor out = forward();
+  postForward(unitSpec, {out});
+  return out;
+}
+
+at::Tensor Engine::runUnit(size_t unitSpec, const std::vector<at::Tensor>& inputs,
+                           const std::function<at::Tensor()>& forward) {
+  if (!state_.units()) return forward();
+  preForward(unitSpec, inputs);
+  at::Tensor out = forward();
+  postForward(unitSpec, {out});
+  return out;
+}
+
+std::vector<std::string> Engine::unitNames() const {
+  std::vector<std::string> names;
+  for (const auto& info : state_.unitInfos()) names.push_back(info.name);
+  return names;
+}
+
+void Engine::gatherParameters() { state_.params().gatherAll(); }
+void Engine::reshardParameters() { state_.params().reshardAll(); }
+
+void Engine::setLearningRate(double lr, int group) { step_.setLearningRate(state_.optimizer(), lr, group); }
+double Engine::learningRate(int group) const { return OptimizerStep::learningRate(state_.optimizer(), group); }
+std::vector<double> Engine::learningRates() const { return OptimizerStep::learningRates(state_.optimizer()); }
+std::vector<std::pair<double, double>> Engine::betas() const { return OptimizerStep::betas(state_.optimizer()); }
+
+void Engine::loadLrScheduleState(int64_t lastBatchIteration) {
+  step_.loadScheduleState(state_, lastBatchIteration, window_.boundaries());
 }
 
 } // namespace zeroshard

@@ -1,5 +1,4 @@
-// The engine: owns the flat buffers, the sharded optimizer and the gradient reduction for one
-// model, and drives a training step the way DeepSpeed's engine does:
+// The engine: sequences a training step over its parts the way DeepSpeed's engine does:
 //
 //   for each micro-batch:  loss = model(x); engine.backward(loss); engine.step();
 //
@@ -7,35 +6,34 @@
 // backward and runs the optimizer (then zeroes the gradients) only at the accumulation boundary:
 // after gradient_accumulation_steps micro-steps, or where setAccumulationBoundary says
 // (accumulation_window.h, Note [accumulation boundary]).
+//
+// It holds one of each part (docs/design.md, "The engine's parts") and nothing else: the groups
+// (comm/engine_groups.h), the model state the plan chose (state/model_state.h), the optimizer
+// step (optim/optimizer_step.h), the accumulation window, the step log and the checkpoint clock.
+// Features are functions of their layer that take the parts they need for one call
+// (checkpoints, the 16-bit export, pretrained loading, meta init).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include "zeroshard/engine/accumulation_window.h"
-#include "zeroshard/layout/bucket.h"
-#include "zeroshard/layout/param_groups.h"
-#include "zeroshard/layout/param_storage.h"
+#include "zeroshard/checkpoint/checkpoint_clock.h"
 #include "zeroshard/checkpoint/engine_checkpoint.h"
 #include "zeroshard/checkpoint/model_export.h"
 #include "zeroshard/checkpoint/pretrained.h"
-#include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/engine_groups.h"
-#include "zeroshard/engine/memory_stats.h"
 #include "zeroshard/config/config.h"
-#include "zeroshard/optim/loss_scaler.h"
-#include "zeroshard/optim/lr_schedule.h"
-#include "zeroshard/optim/bucket_slots.h"
-#include "zeroshard/optim/deferred_skip.h"
-#include "zeroshard/optim/master_weights.h"
-#include "zeroshard/optim/optimizer.h"
+#include "zeroshard/engine/accumulation_window.h"
+#include "zeroshard/engine/memory_stats.h"
+#include "zeroshard/engine/step_log.h"
+#include "zeroshard/optim/optimizer_step.h"
 #include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/stage3/unit_builder.h"
-#include "zeroshard/stage3/unit_scheduler.h"
-#include "zeroshard/engine/step_log.h"
+#include "zeroshard/state/meta_init.h"
+#include "zeroshard/state/model_state.h"
+#include "zeroshard/state/module_inputs.h"
 
 #include <functional>
-#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -44,38 +42,8 @@
 namespace c10d {
 class ProcessGroup;
 } // namespace c10d
-namespace torch::nn {
-class Module;
-} // namespace torch::nn
 
 namespace zeroshard {
-
-class GradReducer;
-class GradStorage;
-class Progress;
-
-// A model built on the meta device (its parameters have shapes but no values, e.g. built under
-// torch.device("meta")): the engine allocates only what this rank keeps under the plan, on
-// `device`, and initialises it step by step (engine_init.cpp, docs/design.md "Models on the meta
-// device"). Each step names the trained parameters it writes; during its `run` those are whole
-// fp32 tensors on `device` (every other trained parameter is on the meta device), which it
-// fills in place, e.g. with a module's reset_parameters(). The step's values are then cast and
-// sliced into this rank's storage and freed, so at most one step's parameters exist whole.
-// A step that also writes a parameter it did not name is run again, from the same generator
-// state, with that parameter whole too.
-//
-// Every rank runs every step in order, from rank 0's default generator state (broadcast first),
-// so the weights do not depend on the world size or the stage; they are compared across ranks
-// after the last step (a step that draws differently on some rank is an error naming it).
-struct InitStep {
-  std::string name;  // for errors, e.g. the module's name
-  std::vector<std::string> params;
-  std::function<void()> run;
-};
-struct MetaInit {
-  at::Device device = at::kCPU;
-  std::vector<InitStep> steps;
-};
 
 class Engine {
  public:
@@ -87,7 +55,7 @@ class Engine {
   Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
          Config config, std::vector<UnitSpec> units = {}, MetaInit init = {},
          std::vector<std::pair<std::string, at::Tensor>> frozen = {});
-  // Every trainable parameter of `model` in one group (defined in engine_module.cpp). At stage 3,
+  // Every trainable parameter of `model` in one group (state/module_inputs.h). At stage 3,
   // `unitModules` names the submodules that are units (e.g. {"blocks.0", "blocks.1"}); unit i is
   // then run through runUnit(i, ...), and the whole forward through runUnit(unitModules.size(),
   // ...) as the root unit (everything else, including parameters shared between units).
@@ -98,7 +66,7 @@ class Engine {
   // order, and fills them in place (its trained parameters are whole fp32 tensors on `device`
   // during the call). Buffers and frozen parameters on the meta device are first given zeroed
   // storage on `device`.
-  using ModuleInit = std::function<void(const std::string& name, torch::nn::Module& module)>;
+  using ModuleInit = zeroshard::ModuleInit;
   Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
          const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device);
   ~Engine();
@@ -123,6 +91,7 @@ class Engine {
   // ran keeps the decision that backward took. Every rank sets the same.
   void setAccumulationBoundary(std::optional<bool> boundary) { window_.setOverride(boundary); }
 
+
   const Config& config() const { return config_; }
   const BatchSizes& batchSizes() const { return batchSizes_; }
   int stage() const { return static_cast<int>(plan_.stage()); }
@@ -130,11 +99,12 @@ class Engine {
   const ShardingPlan& plan() const { return plan_; }
   // plan().describe(), and where the frozen parameters are when the model has some.
   std::string describePlan() const {
-    return frozenBuckets_.empty() && frozenWhole_.empty() ? plan_.describe()
-                                                          : plan_.describe() + "\n" + plan_.describeFrozen();
+    return state_.frozenBuckets().empty() && state_.frozenWhole().empty()
+               ? plan_.describe()
+               : plan_.describe() + "\n" + plan_.describeFrozen();
   }
   // The dtype parameters, gradients and gathers use: bf16 with bf16.enabled, else float32.
-  at::ScalarType computeDtype() const { return computeDtype_; }
+  at::ScalarType computeDtype() const { return state_.computeDtype(); }
   int rank() const { return groups_.world().rank(); }
   int worldSize() const { return groups_.world().worldSize(); }
   // step() calls (DeepSpeed's micro_steps), and the accumulation windows ended: optimizer
@@ -143,13 +113,13 @@ class Engine {
   int64_t accumulationBoundaries() const { return window_.boundaries(); }
   // Optimizer steps taken. With the deferred nonfinite check (zeroshard.nonfinite_check) this,
   // skippedSteps() and checkLastStep() first settle the last step's flag: on a GPU they wait
-  // for the last step's kernels (engine_nonfinite.cpp).
+  // for the last step's kernels (optim/nonfinite_check.cpp).
   int64_t globalSteps();
   // Whether the micro-step whose backward comes next ends the window (between a backward and
   // its step: whether that micro-step does, as its backward decided).
   bool isAccumulationBoundary() const { return window_.isBoundary(); }
   // fp16: the current loss scale (1 otherwise), and the boundaries skipped for an overflow.
-  double lossScale() const { return scaler_ ? scaler_->scale() : 1.0; }
+  double lossScale() const { return step_.lossScale(); }
   int64_t skippedSteps();
   // zeroshard.nonfinite_check "deferred": reads whether the last optimizer step was skipped on
   // the device for non-finite gradients (blocking), and acts on it as zeroshard.nonfinite says:
@@ -160,9 +130,9 @@ class Engine {
   void checkLastStep();
   // The global gradient norm before clipping, from the last optimizer step (0 before any).
   // Reading it synchronises with the device (it is kept there).
-  double lastGradNorm() const { return lastGradNorm_.defined() ? lastGradNorm_.item<double>() : 0.0; }
+  double lastGradNorm() const { return step_.lastGradNorm(); }
 
-  MemoryStats memoryStats() const;
+  MemoryStats memoryStats() const { return state_.memoryStats(); }
   // Collectives of the last completed optimizer step (all its micro-batches), by kind. With
   // hybrid sharding also by level: inside the shard group ("intra", a node) and across the
   // groups ("inter"); with hpZ inside the secondary groups ("intra": the backward gathers) and
@@ -193,12 +163,12 @@ class Engine {
   // backward as soon as its input gradients are computed, rather than at the end of the backward.
   at::Tensor runUnit(size_t unitSpec, const std::vector<at::Tensor>& inputs, const std::function<at::Tensor()>& forward);
   // Stage 3: the units built, in UnitSpec order (empty below stage 3), and their names.
-  const std::vector<UnitInfo>& stage3Units() const { return unitInfos_; }
+  const std::vector<UnitInfo>& stage3Units() const { return state_.unitInfos(); }
   std::vector<std::string> unitNames() const;
   // Stage 3: make every parameter whole (blocking), and release them again.
   void gatherParameters();
   void reshardParameters();
-  // Writes whole values into trained parameters, by original name (engine_params.cpp): into
+  // Writes whole values into trained parameters, by original name (state/model_params.cpp): into
   // this rank's fp32 master weights (its shard where they are sharded), the compute-dtype
   // parameters (their shard at stage 3, and the whole buffer where it exists), cast from the
   // fp32 value as after an optimizer step. A value in the 16-bit compute dtype leaves the fp32
@@ -233,17 +203,17 @@ class Engine {
                              const std::string& rankError = "", bool excludeFrozen = false);
   LoadedCheckpoint loadCheckpoint(const std::string& dir, const std::string& tag = "",
                                   const LoadOptions& options = {});
-  // Checkpoints on a clock (zeroshard.checkpoint.every_minutes and .dir, engine_clock.cpp):
+  // Checkpoints on a clock (zeroshard.checkpoint.every_minutes and .dir, checkpoint/checkpoint_clock.h):
   // whether this boundary is the first at least that many minutes after the last save (or the
   // engine's start) by rank 0's clock; collective (every rank calls it at the same boundary,
   // and all get rank 0's answer); false when the key is off. step() saves into the directory
   // by itself when it is due, unless setClockSaves(false) (the Python layer saves itself,
   // after its scheduler step). setClock replaces the clock (minutes, any origin) for tests.
   bool checkpointDue();
-  void setClockSaves(bool on) { clockSaves_ = on; }
-  void setClock(std::function<double()> minutesNow);
+  void setClockSaves(bool on) { clock_.setSavesOnStep(on); }
+  void setClock(std::function<double()> minutesNow) { clock_.setClock(std::move(minutesNow)); }
 
-  // The model for inference as one file, dir/filename (checkpoint/model_export.h, engine_export.cpp;
+  // The model for inference as one file, dir/filename (checkpoint/streamed_export.h;
   // docs/checkpoints.md): its state dict, trained parameters in the compute dtype, safetensors for
   // a ".safetensors" name, torch.save's format for any other. Collective and blocking: every rank
   // calls it outside forward and backward; rank 0 writes (creating dir), streaming each tensor as
@@ -263,8 +233,8 @@ class Engine {
   std::optional<std::vector<std::pair<std::string, at::Tensor>>> consolidatedStateDict(
       const ModelExportOptions& options = {}, ModelExportStats* stats = nullptr);
 
-  // Pretrained weights from a Hugging Face-style safetensors checkpoint (engine_pretrained.cpp,
-  // checkpoint/pretrained.h; docs/checkpoints.md): `path` is a .safetensors file, a directory
+  // Pretrained weights from a Hugging Face-style safetensors checkpoint (checkpoint/pretrained.h,
+  // pretrained_load.cpp; docs/checkpoints.md): `path` is a .safetensors file, a directory
   // with model.safetensors or model.safetensors.index.json, or that index. By state-dict name
   // (a tied weight from any one of its names), each rank reads only the element ranges it
   // holds, converted from the file's dtype, into its fp32 master weights and compute-dtype
@@ -276,7 +246,7 @@ class Engine {
   // applies before matching; every rank passes the same.
   PretrainedLoad loadPretrained(const std::string& path, bool strict = true, const TensorRenames& renames = {});
 
-  // Learning rates (engine_schedule.cpp). With a config "scheduler" the schedule owns every
+  // Learning rates (optim/optimizer_step.h). With a config "scheduler" the schedule owns every
   // group's lr (and, for OneCycle, betas): it puts its start values in at construction and is
   // stepped right after each optimizer step taken at an accumulation boundary (not after an
   // fp16 step skipped for an overflow), as DeepSpeed's engine steps its lr_scheduler
@@ -291,12 +261,12 @@ class Engine {
   std::vector<double> learningRates() const;
   std::vector<std::pair<double, double>> betas() const;
   // The config's schedule, or nullptr without one.
-  const LrSchedule* lrSchedule() const { return schedule_ ? &*schedule_ : nullptr; }
+  const LrSchedule* lrSchedule() const { return step_.schedule(); }
   // DeepSpeed's lr_scheduler.load_state_dict: the schedule continues from `lastBatchIteration`;
   // the groups keep their values until its next step. Throws without a config schedule.
   void loadLrScheduleState(int64_t lastBatchIteration);
 
-  // Logging (engine_log.cpp, step_log.h): rank 0 prints a line every steps_per_print
+  // Logging (step_log.h): rank 0 prints a line every steps_per_print
   // boundaries; with wall_clock_breakdown it adds forward / backward / step / communication
   // milliseconds. setLogSink gets each line without prefix (an empty function: stdout, prefixed
   // "zeroshard: "). beginForward()/endForward() bracket the model's forward for its timing
@@ -307,84 +277,22 @@ class Engine {
   void endForward();
 
  private:
-  void registerShards();
-  void initFromMeta(const MetaInit& init);  // engine_init.cpp
-  bool takeStep();  // the optimizer step at a boundary; false when fp16 skipped it
-  void stepBucketByBucket();  // offload: each bucket's update copied back and gathered as it is done
-  void clipGradients();
-  const at::Tensor& globalGradSquares();
-  bool skipStep();
-  // zeroshard.nonfinite (engine_nonfinite.cpp): whether the step's gradients are all finite;
-  // when not, names the first parameter that is not ("error": raises; "skip": warns).
-  bool gradsFinite();
-  // The deferred check (Note [deferred nonfinite check]): whether this engine uses it, the
-  // step's found-inf flag on the device, and the last step's flag acted upon; `where` says
-  // for the error where it was found (none: at this step's boundary, before its update).
-  bool defersNonfiniteCheck() const;
-  at::Tensor nonfiniteOnDevice();
-  void settleLastStep(const std::optional<std::string>& where = std::nullopt);
-  bool overflowed();
-  void finishStep();
-  void initSchedule();
-  void applySchedule(const std::vector<ScheduledValues>& values);
-  void logBoundary();
-  void syncComputeDevice();
-  void zeroGrads();
-  CheckpointedState checkpointedState();
+  Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config);
   void checkBetweenSteps(const char* call) const;
-  // The export (engine_export.cpp, Note [streamed export]): what it holds, the stage-3 unit each
-  // tensor needs gathered, and the streaming of every tensor, whole, to `sink` on rank 0 (all
-  // ranks take part); returns rank 0's first error from the sink ("" on the other ranks).
-  using ExportSink = std::function<void(size_t tensor, const at::Tensor& value)>;
-  ModelExportPlan planExport(const ModelExportOptions& options) const;
-  int64_t exportUnitOf(const ExportSource& source) const;
-  std::string streamExport(const ModelExportPlan& exported, const ExportSink& sink, Progress& progress,
-                           ModelExportStats& stats);
-
-  // The world's communicator, and the one sharded states live on (comm/engine_groups.h).
-  Communicator& world() { return groups_.world(); }
-  const Communicator& world() const { return groups_.world(); }
-  Communicator& shardComm() { return groups_.shard(); }
-  const Communicator& shardComm() const { return groups_.shard(); }
-  static double steadyMinutes();
-  void saveOnClock();
+  // The deferred nonfinite check's flag of the last step, read and acted upon (OptimizerStep::settle).
+  void settleLastStep(const std::optional<std::string>& where = std::nullopt);
+  void logBoundary();
 
   Config config_;
-  ShardingPlan plan_;
-  EngineGroups groups_;  // the world, the hybrid / hpZ subgroups, the step's counts by level
-  StepLog stepLog_;
-  AccumulationWindow window_;  // micro-steps, boundaries, the override; from backward to step
-  at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
-  std::optional<LrSchedule> schedule_;
-  at::ScalarType computeDtype_ = at::kFloat;
-  std::optional<LossScaler> scaler_;
-  int64_t skippedSteps_ = 0;
   BatchSizes batchSizes_;
-  std::vector<Bucket> buckets_;
-  // Frozen parameters: their flat buffers at stage 3 (one per unit and dtype), and those kept
-  // whole (every one below stage 3; at stage 3 those at or under the persistence threshold).
-  std::vector<Bucket> frozenBuckets_;
-  std::vector<std::pair<std::string, at::Tensor>> frozenWhole_;
-  std::optional<MasterWeights> masters_;  // built with the buckets
-  ShardedAdamW optimizer_;
-  std::unique_ptr<GradStorage> grads_;  // before reducer_, which drives it
-  std::unique_ptr<GradReducer> reducer_;
-  std::unique_ptr<ParamStorage> params_;  // chosen by the plan
-  UnitScheduler* units_ = nullptr;        // params_ at stage 3, for the module hooks
-  std::vector<std::optional<UnitIndex>> specToUnit_;  // none: a unit without parameters of its own
-  std::vector<UnitInfo> unitInfos_;
-  std::vector<std::vector<OptimizerSlot>> slots_;  // each bucket's optimizer state
-  ModuleState moduleState_;
-  at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
-  at::Tensor stepSquares_;   // this step's globalGradSquares(), until finishStep()
-  bool nonfiniteDeferred_ = false;  // defersNonfiniteCheck(), decided at construction
-  DeferredSkip deferredSkip_;       // the last step's flag, until settleLastStep()
-  int64_t lastPeakGatheredBytes_ = 0;
-  int64_t lastPeakSecondaryBytes_ = 0;
-  std::function<double()> clock_ = &Engine::steadyMinutes;
-  double lastSaveMinutes_ = steadyMinutes();
-  bool clockSaves_ = true;
-  int64_t lastPeakStagingBytes_ = 0;
+  ShardingPlan plan_;
+  EngineGroups groups_;       // the world, the hybrid / hpZ subgroups, the step's counts by level
+  ModelState state_;          // buckets, storage, masters, optimizer state, units, module state
+  OptimizerStep step_;        // loss scale, the nonfinite check, clipping, the schedule
+  AccumulationWindow window_;  // micro-steps, boundaries, the override; from backward to step
+  StepLog stepLog_;
+  at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
+  CheckpointClock clock_;
 };
 
 } // namespace zeroshard

@@ -1,10 +1,9 @@
-// The torch::nn::Module entry point of Engine, kept apart so that only this translation unit
-// pays for the C++ frontend's headers.
-#include "zeroshard/engine/engine.h"
+#include "zeroshard/state/module_inputs.h"
 
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
+
 
 #include <unordered_map>
 #include <unordered_set>
@@ -53,7 +52,7 @@ std::vector<std::pair<std::string, at::Tensor>> stateOf(const torch::nn::Module&
 
 // Gives every meta buffer and frozen parameter zeroed storage on `device` (in place: the module
 // keeps its tensors), and makes one step per module that holds parameters or buffers itself.
-MetaInit moduleSteps(torch::nn::Module& model, const Engine::ModuleInit& init, at::Device device) {
+MetaInit moduleSteps(torch::nn::Module& model, const ModuleInit& init, at::Device device) {
   for (auto& item : model.named_buffers(/*recurse=*/true)) {
     at::Tensor t = item.value();
     if (t.is_meta()) setTensorData(t, at::zeros(t.sizes(), t.options().device(device)));
@@ -84,19 +83,16 @@ MetaInit moduleSteps(torch::nn::Module& model, const Engine::ModuleInit& init, a
 
 } // namespace
 
-Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
-               const std::vector<std::string>& unitModules)
-    : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
-             unitSpecs(model, unitModules), {}, frozenParams(model)) {
-  setModuleStateFrom(stateOf(model));
-  broadcastModuleState();
+ModelInputs modelInputsOf(torch::nn::Module& model, const std::vector<std::string>& unitModules) {
+  return {nameParamGroups(std::nullopt, uniqueParams(model)), unitSpecs(model, unitModules), {}, frozenParams(model),
+          stateOf(model), /*broadcastStateDict=*/true};
 }
 
-Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config,
-               const std::vector<std::string>& unitModules, const ModuleInit& init, at::Device device)
-    : Engine(nameParamGroups(std::nullopt, uniqueParams(model)), std::move(processGroup), std::move(config),
-             unitSpecs(model, unitModules), moduleSteps(model, init, device), frozenParams(model)) {
-  setModuleStateFrom(stateOf(model));
+ModelInputs modelInputsOf(torch::nn::Module& model, const std::vector<std::string>& unitModules,
+                          const ModuleInit& init, at::Device device) {
+  MetaInit steps = moduleSteps(model, init, device);
+  return {nameParamGroups(std::nullopt, uniqueParams(model)), unitSpecs(model, unitModules), std::move(steps),
+          frozenParams(model), stateOf(model), /*broadcastStateDict=*/false};
 }
 
 } // namespace zeroshard

@@ -25,13 +25,15 @@
 // comes a step late and cannot name the parameter (its gradients are gone by then); an
 // offloaded optimizer and fp16 keep the immediate check, their host step and loss scaler
 // reading their flag at the step anyway.
-#include "zeroshard/engine/engine.h"
+#include "zeroshard/optim/optimizer_step.h"
 
 #include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
 
+#include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/gather_values.h"
 #include "zeroshard/grad/grad_storage.h"
+#include "zeroshard/state/model_state.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,17 +42,19 @@
 
 namespace zeroshard {
 
-bool Engine::gradsFinite() {
-  if (std::isfinite(globalGradSquares().item<double>())) return true;
+bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int64_t boundary) {
+  if (std::isfinite(globalGradSquares(model, shardComm).item<double>())) return true;
+  const std::vector<Bucket>& buckets = model.buckets();
+  const ShardingPlan& plan = model.plan();
   // This rank's first parameter (by index over all buckets, in buffer order) holding a non-finite
   // gradient element in the range it steps; every rank's, then the smallest.
   int64_t first = -1;
   int64_t before = 0;
-  for (size_t b = 0; b < buckets_.size() && first < 0; ++b) {
-    const auto& layout = buckets_[b].layout();
+  for (size_t b = 0; b < buckets.size() && first < 0; ++b) {
+    const auto& layout = buckets[b].layout();
     const ShardRange held =
-        plan_.optimizerSharded() ? layout.shardRange(shardComm().rank()) : ShardRange{0, layout.paddedNumel()};
-    const at::Tensor& grad = grads_->optimizerGrad(b);
+        plan.optimizerSharded() ? layout.shardRange(shardComm.rank()) : ShardRange{0, layout.paddedNumel()};
+    const at::Tensor& grad = model.grads().optimizerGrad(b);
     for (const auto& piece : layout.piecesIn(held)) {
       const auto values = grad.narrow(0, piece.shardOffset, piece.paramEnd - piece.paramBegin);
       if (!at::isfinite(values).all().item<bool>()) {
@@ -60,32 +64,32 @@ bool Engine::gradsFinite() {
     }
     before += static_cast<int64_t>(layout.params().size());
   }
-  if (plan_.optimizerSharded()) {
+  if (plan.optimizerSharded()) {
     int64_t smallest = -1;
-    for (const auto& theirs : allGatherValues(shardComm(), {first}, buckets_.front().flatParams().device())) {
+    for (const auto& theirs : allGatherValues(shardComm, {first}, model.device())) {
       if (theirs.at(0) >= 0 && (smallest < 0 || theirs[0] < smallest)) smallest = theirs[0];
     }
     first = smallest;
   }
   std::string name = "(none found)";
-  for (size_t b = 0, offset = 0; b < buckets_.size() && first >= 0; ++b) {
-    const auto& params = buckets_[b].layout().params();
+  for (size_t b = 0, offset = 0; b < buckets.size() && first >= 0; ++b) {
+    const auto& params = buckets[b].layout().params();
     if (first < static_cast<int64_t>(offset + params.size())) {
       name = "'" + params[static_cast<size_t>(first) - offset].name + "'";
       break;
     }
     offset += params.size();
   }
-  const int64_t step = window_.boundaries();
+  const int64_t step = boundary;
   const std::string what = "zeroshard: the gradients of step " + std::to_string(step) +
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the first "
                            "parameter with a non-finite gradient is " + name;
-  if (config_.extras.nonfinite == "skip") {
-    if (world().rank() == 0) TORCH_WARN(what, "; the step is skipped on every rank (zeroshard.nonfinite \"skip\")");
+  if (nonfinite_ == "skip") {
+    if (warns_) TORCH_WARN(what, "; the step is skipped on every rank (zeroshard.nonfinite \"skip\")");
     return false;
   }
-  optimizer_.discardPrepared();
-  zeroGrads();
+  model.optimizer().discardPrepared();
+  model.grads().zero();
   stepSquares_ = at::Tensor();
   TORCH_CHECK(false, what, ". Nothing was updated. zeroshard.nonfinite \"skip\" skips such steps instead, as "
                            "fp16's loss scaling does; lower the learning rate or clip (gradient_clipping) if it "
@@ -93,65 +97,51 @@ bool Engine::gradsFinite() {
   return false;
 }
 
-bool Engine::defersNonfiniteCheck() const {
-  const std::string& check = config_.extras.nonfiniteCheck;
+bool OptimizerStep::decideDeferred(const ModelState& model) const {
+  const std::string& check = nonfiniteCheck_;
   std::string immediate;  // why the deferred check is not used, where it cannot be
-  if (config_.extras.nonfinite == "off") {
+  if (nonfinite_ == "off") {
     immediate = "zeroshard.nonfinite is \"off\": nothing is checked";
   } else if (scaler_) {
     immediate = "with fp16 the loss scaler checks every step for an overflow, on the host";
-  } else if (plan_.anyOptimizerOnHost(buckets_.size())) {
+  } else if (model.plan().anyOptimizerOnHost(model.buckets().size())) {
     immediate = "the offloaded optimizer steps on the host, which has the gradients' norm there anyway";
   }
   if (!immediate.empty()) {
-    if (check == "deferred" && world().rank() == 0) {
+    if (check == "deferred" && warns_) {
       TORCH_WARN("zeroshard: zeroshard.nonfinite_check \"deferred\" is not used: ", immediate);
     }
     return false;
   }
-  const bool onCpu = buckets_.empty() || buckets_.front().flatParams().device().is_cpu();
+  const bool onCpu = model.buckets().empty() || model.device().is_cpu();
   return check == "deferred" || (check == "auto" && !onCpu);
 }
 
-at::Tensor Engine::nonfiniteOnDevice() {
+at::Tensor OptimizerStep::nonfiniteOnDevice(ModelState& model, Communicator& shardComm) {
   // 0-dim float, 0 or 1 (the kernel skips at exactly 1): no host read.
-  return at::isfinite(globalGradSquares()).logical_not().to(at::kFloat);
+  return at::isfinite(globalGradSquares(model, shardComm)).logical_not().to(at::kFloat);
 }
 
-void Engine::settleLastStep(const std::optional<std::string>& where) {
-  const std::optional<int64_t> step = deferredSkip_.settle(optimizer_, schedule_ ? &*schedule_ : nullptr);
+void OptimizerStep::settle(ModelState& model, int64_t boundary, const std::optional<std::string>& where) {
+  const std::optional<int64_t> step = deferredSkip_.settle(model.optimizer(), schedule());
   if (!step) return;
   const std::string what = "zeroshard: the gradients of step " + std::to_string(*step) +
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the optimizer "
                            "skipped that step on the device, so nothing was updated by it";
   const std::string found =
-      where ? "found " + *where : "found at step " + std::to_string(window_.boundaries());
-  if (config_.extras.nonfinite == "skip") {
+      where ? "found " + *where : "found at step " + std::to_string(boundary);
+  if (nonfinite_ == "skip") {
     ++skippedSteps_;
-    if (world().rank() == 0) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
+    if (warns_) TORCH_WARN(what, "; it is skipped on every rank (zeroshard.nonfinite \"skip\"; ", found, ")");
     return;
   }
   const std::string dropped = where ? "" : ", whose gradients are dropped too";
-  zeroGrads();
+  model.grads().zero();
   stepSquares_ = at::Tensor();
   TORCH_CHECK(false, what, " (", found, dropped, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
               "scaling does; lower the learning rate or clip (gradient_clipping) if it recurs. "
               "zeroshard.nonfinite_check \"immediate\" stops at the step itself and names the first parameter "
               "whose gradient is not finite, at a host synchronisation per step");
-}
-
-void Engine::checkLastStep() {
-  settleLastStep("by check_last_step()");
-}
-
-int64_t Engine::globalSteps() {
-  settleLastStep("when global_steps was read");
-  return optimizer_.stepCount();
-}
-
-int64_t Engine::skippedSteps() {
-  settleLastStep("when skipped_steps was read");
-  return skippedSteps_;
 }
 
 } // namespace zeroshard

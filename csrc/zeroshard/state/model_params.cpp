@@ -1,11 +1,13 @@
-// The engine's trained parameters by name: read (namedParameters, the gathered fp32 masters) and
-// written. Engine::setParameters: whole values written back into the sharded state, for
+// The model state's trained parameters by name: read (namedParameters, the gathered fp32 masters)
+// and written. ModelState::setParameters: whole values written back into the sharded state, for
 // GatheredParameters(modifier_rank=r) in zeroshard.deepspeed (the Python layer broadcasts the
 // modified values from rank r first, so every rank writes the same thing and no collective is
 // needed here).
-#include "zeroshard/engine/engine.h"
+#include "zeroshard/state/model_state.h"
 
+#include "zeroshard/comm/communicator.h"
 #include "zeroshard/layout/param_targets.h"
+#include "zeroshard/stage3/unit_scheduler.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
@@ -26,7 +28,7 @@ struct ParamWrite {
 
 } // namespace
 
-void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values) {
+void ModelState::setParameters(const std::vector<std::pair<std::string, at::Tensor>>& values) {
   if (units_) units_->dropSecondaryShards();  // hpZ: they would hold the old values
   std::unordered_map<std::string, std::pair<size_t, size_t>> where;
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -88,12 +90,12 @@ void Engine::setParameters(const std::vector<std::pair<std::string, at::Tensor>>
     const Bucket& bucket = buckets_[w.bucket];
     const auto& place = bucket.layout().params()[w.param];
     ParamTargets::of(bucket, masters_->of(bucket, w.bucket), plan_.optimizerSharded(), plan_.paramsSharded(),
-                     shardComm().rank())
+                     shardRank_)
         .write(w.value, {place.offset, place.offset + place.numel});
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const {
+std::vector<std::pair<std::string, at::Tensor>> ModelState::namedParameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& b : buckets_) {
     for (size_t i = 0; i < b.size(); ++i) out.emplace_back(b.layout().params()[i].name, b.params()[i]);
@@ -101,9 +103,8 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::namedParameters() const 
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
-  UncountedCollectives uncounted(world());
-  UncountedCollectives uncountedShards(shardComm());
+std::vector<std::pair<std::string, at::Tensor>> ModelState::masterWeights(Communicator& shardComm) {
+  UncountedCollectives uncountedShards(shardComm);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const auto& b = buckets_[i];
@@ -113,7 +114,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::masterWeights() {
     at::Tensor full = master;
     if (plan_.optimizerSharded()) {
       full = at::empty({b.layout().paddedNumel()}, master.options());
-      shardComm().allGather(master, full).wait();
+      shardComm.allGather(master, full).wait();
     }
     for (const auto& place : b.layout().params()) {
       const at::Tensor view = full.narrow(0, place.offset, place.numel).view(place.shape);

@@ -1,5 +1,5 @@
-// Engine::loadPretrained: a Hugging Face-style safetensors checkpoint read into the sharded
-// state (checkpoint/pretrained.h finds the files and matches the names).
+// loadPretrained: a Hugging Face-style safetensors checkpoint read into the sharded model state
+// (pretrained.h finds the files and matches the names; Engine::loadPretrained).
 //
 // Note [pretrained reads]: each rank reads, for each trained parameter, only the elements some
 // copy of it on this rank holds (ParamTargets::needed): at stage 3 the elements in its shard
@@ -10,32 +10,37 @@
 // first (headers, byte ranges, names, shapes) and agreed across ranks (Note [agreement]), so a
 // file that does not fit changes nothing on any rank; only an I/O error after the check (a file
 // changed while being read) can leave a partial load, and it is reported on every rank.
-#include "zeroshard/engine/engine.h"
+#include "zeroshard/checkpoint/pretrained.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "zeroshard/checkpoint/pretrained.h"
 #include "zeroshard/comm/agreement.h"
+#include "zeroshard/comm/communicator.h"
 #include "zeroshard/layout/param_targets.h"
 #include "zeroshard/checkpoint/progress.h"
+#include "zeroshard/state/model_state.h"
 
 #include <algorithm>
 #include <memory>
 
 namespace zeroshard {
 
-PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, const TensorRenames& renames) {
-  checkBetweenSteps("load_pretrained()");
-  const UncountedCollectives uncounted(world());
-  const UncountedCollectives uncountedShards(shardComm());
-  const c10::Device device = buckets_.front().flatParams().device();
+PretrainedLoad loadPretrained(ModelState& model, Communicator& world, Communicator& shardComm, const std::string& path,
+                              bool strict, const TensorRenames& renames) {
+  const UncountedCollectives uncounted(world);
+  const UncountedCollectives uncountedShards(shardComm);
+  const c10::Device device = model.device();
+  const std::vector<Bucket>& buckets = model.buckets();
+  const std::vector<Bucket>& frozenBuckets = model.frozenBuckets();
+  ModuleState& moduleState = model.moduleState();
+  const ShardingPlan& plan = model.plan();
   std::unique_ptr<PretrainedFiles> files;
   PretrainedMatch match;
-  agreeAcrossRanks(world(), device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
+  agreeAcrossRanks(world, device, "load_pretrained: reading '" + path + "'", "nothing was loaded on any rank", [&] {
     files = std::make_unique<PretrainedFiles>(path);
-    match = matchPretrained(*files, buckets_, moduleState_, renames, frozenBuckets_);
+    match = matchPretrained(*files, buckets, moduleState, renames, frozenBuckets);
     TORCH_CHECK(!strict || match.fits(), describeMismatch(path, match, renames));
   });
 
@@ -46,17 +51,17 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
   sources += std::count_if(match.moduleState.begin(), match.moduleState.end(), found);
   for (const auto& bucket : match.frozen) sources += std::count_if(bucket.begin(), bucket.end(), found);
   // Rank 0's share (Note [progress where a person watches]): the bytes are those it reads.
-  Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(world().rank()));
+  Progress progress("load_pretrained '" + path + "'", sources, "tensors", terminalProgress(world.rank()));
   agreeAcrossRanks(
-      world(), device, "load_pretrained: loading '" + path + "'",
+      world, device, "load_pretrained: loading '" + path + "'",
       "the weights may be partly loaded (the files were checked first, so one changed or failed while being "
       "read): load them again",
       [&] {
         at::NoGradGuard noGrad;
-        for (size_t b = 0; b < buckets_.size(); ++b) {
-          const Bucket& bucket = buckets_[b];
-          const auto targets = ParamTargets::of(bucket, masters_->of(bucket, b), plan_.optimizerSharded(),
-                                                plan_.paramsSharded(), shardComm().rank());
+        for (size_t b = 0; b < buckets.size(); ++b) {
+          const Bucket& bucket = buckets[b];
+          const auto targets = ParamTargets::of(bucket, model.masters().of(bucket, b), plan.optimizerSharded(),
+                                                plan.paramsSharded(), shardComm.rank());
           const auto& params = bucket.layout().params();
           for (size_t i = 0; i < params.size(); ++i) {
             const auto* source = match.params[b][i];
@@ -76,10 +81,10 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
           }
         }
         // Stage 3's frozen parameters: the elements of this rank's shard of each, in its dtype.
-        for (size_t b = 0; b < frozenBuckets_.size(); ++b) {
-          const Bucket& bucket = frozenBuckets_[b];
+        for (size_t b = 0; b < frozenBuckets.size(); ++b) {
+          const Bucket& bucket = frozenBuckets[b];
           const at::Tensor shard = bucket.paramShard();
-          for (const auto& piece : bucket.layout().piecesIn(bucket.layout().shardRange(shardComm().rank()))) {
+          for (const auto& piece : bucket.layout().piecesIn(bucket.layout().shardRange(shardComm.rank()))) {
             const auto* source = match.frozen[b][piece.param];
             if (source == nullptr) continue;
             SafetensorsFile& file = files->file(source->file);
@@ -92,13 +97,13 @@ PretrainedLoad Engine::loadPretrained(const std::string& path, bool strict, cons
             progress.advance(file.dataBytesRead() - before);
           }
         }
-        for (size_t i = 0; i < moduleState_.tensors.size(); ++i) {
+        for (size_t i = 0; i < moduleState.tensors.size(); ++i) {
           const auto* source = match.moduleState[i];
           if (source == nullptr) continue;
           SafetensorsFile& file = files->file(source->file);
           const int64_t before = file.dataBytesRead();
           // Converted to the tensor's own dtype (an integer buffer is copied as it is).
-          moduleState_.tensors[i].second.detach().copy_(file.read(*source->entry));
+          moduleState.tensors[i].second.detach().copy_(file.read(*source->entry));
           result.moduleStateBytesRead += file.dataBytesRead() - before;
           progress.advance(file.dataBytesRead() - before);
         }

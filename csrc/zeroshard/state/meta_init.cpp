@@ -1,7 +1,6 @@
-// Engine::initFromMeta: initialising a model built on the meta device step by step, into storage
-// that holds only what this rank keeps (engine.h, MetaInit; docs/design.md "Models on the meta
-// device").
-#include "zeroshard/engine/engine.h"
+// initFromMeta: initialising a model built on the meta device step by step, into storage that
+// holds only what this rank keeps (meta_init.h; docs/design.md "Models on the meta device").
+#include "zeroshard/state/meta_init.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
@@ -10,7 +9,9 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/gather_values.h"
+#include "zeroshard/state/model_state.h"
 
 #include <algorithm>
 #include <cstring>
@@ -74,33 +75,35 @@ int64_t bitsOf(double value) {
 //
 // Stage 3's frozen parameters take the same path into their shard (Bucket::writeShardOf), in
 // their own dtype; those kept whole are written in place by the steps, as buffers are.
-void Engine::initFromMeta(const MetaInit& init) {
+void initFromMeta(ModelState& model, Communicator& world, const MetaInit& init) {
+  std::vector<Bucket>& buckets = model.buckets();
+  std::vector<Bucket>& frozenBuckets = model.frozenBuckets();
   std::unordered_map<std::string, ParamAt> where;
   std::vector<std::pair<std::string, ParamAt>> all;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const auto& params = buckets_[b].layout().params();
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const auto& params = buckets[b].layout().params();
     for (size_t i = 0; i < params.size(); ++i) {
       where.emplace(params[i].name, ParamAt{b, i});
       all.emplace_back(params[i].name, ParamAt{b, i});
     }
   }
-  for (size_t b = 0; b < frozenBuckets_.size(); ++b) {
-    const auto& params = frozenBuckets_[b].layout().params();
+  for (size_t b = 0; b < frozenBuckets.size(); ++b) {
+    const auto& params = frozenBuckets[b].layout().params();
     for (size_t i = 0; i < params.size(); ++i) {
       where.emplace(params[i].name, ParamAt{b, i, true});
       all.emplace_back(params[i].name, ParamAt{b, i, true});
     }
   }
   std::unordered_set<std::string> whole;
-  for (const auto& [name, p] : frozenWhole_) whole.insert(name);
+  for (const auto& [name, p] : model.frozenWhole()) whole.insert(name);
   const auto bucketOf = [&](const ParamAt& place) -> Bucket& {
-    return place.frozen ? frozenBuckets_[place.bucket] : buckets_[place.bucket];
+    return place.frozen ? frozenBuckets[place.bucket] : buckets[place.bucket];
   };
   const auto paramOf = [&](const ParamAt& place) { return bucketOf(place).params()[place.index]; };
   // A trained parameter is fp32 during its step (it seeds the master weights); a frozen one
   // keeps its dtype, so the step draws into it as it would into the module's own tensor.
   const auto stepDtype = [&](const ParamAt& place) {
-    return place.frozen ? frozenBuckets_[place.bucket].flatParams().scalar_type() : at::kFloat;
+    return place.frozen ? frozenBuckets[place.bucket].flatParams().scalar_type() : at::kFloat;
   };
   const auto pointAtMeta = [&](const ParamAt& place) {
     at::Tensor p = paramOf(place);
@@ -113,7 +116,7 @@ void Engine::initFromMeta(const MetaInit& init) {
   std::vector<at::Tensor> states = statesOf(gens);
   for (auto& state : states) {
     at::Tensor onGroup = state.to(init.device);
-    world().broadcast(onGroup, 0).wait();
+    world.broadcast(onGroup, 0).wait();
     state = onGroup.cpu();
   }
   restoreStates(gens, states);
@@ -166,12 +169,12 @@ void Engine::initFromMeta(const MetaInit& init) {
       std::vector<std::pair<std::string, at::Tensor>> trainedValues;
       for (size_t k = 0; k < names.size(); ++k) {
         if (places[k].frozen) {
-          frozenBuckets_[places[k].bucket].writeShardOf(places[k].index, values[k].second);
+          frozenBuckets[places[k].bucket].writeShardOf(places[k].index, values[k].second);
         } else {
           trainedValues.push_back(values[k]);
         }
       }
-      setParameters(trainedValues);
+      model.setParameters(trainedValues);
       at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(init.device));
       for (const auto& [name, value] : values) {
         // Summed in fp32 (sum(kDouble) would make a float64 copy of the whole module first).
@@ -187,7 +190,7 @@ void Engine::initFromMeta(const MetaInit& init) {
   for (const auto& [name, place] : all) bucketOf(place).restoreParamView(place.index);
 
   // One rank's failure fails every rank, naming it, before anything else is compared.
-  const auto errors = allGatherText(world(), error, init.device);
+  const auto errors = allGatherText(world, error, init.device);
   for (size_t r = 0; r < errors.size(); ++r) {
     TORCH_CHECK(errors[r].empty(), "zeroshard: meta-device initialisation failed on rank ", r, ": ", errors[r]);
   }
@@ -209,7 +212,7 @@ void Engine::initFromMeta(const MetaInit& init) {
     const at::Tensor sums = at::stack(checksums).cpu();
     for (int64_t i = 0; i < sums.numel(); ++i) bits.push_back(bitsOf(sums[i].item<double>()));
   }
-  const auto byRank = allGatherValues(world(), bits, init.device);
+  const auto byRank = allGatherValues(world, bits, init.device);
   for (size_t r = 1; r < byRank.size(); ++r) {
     size_t i = 0;
     while (i < bits.size() && i < byRank[r].size() && byRank[r][i] == byRank[0][i]) ++i;

@@ -1,0 +1,189 @@
+#include "zeroshard/optim/optimizer_step.h"
+
+#include <c10/util/Exception.h>
+
+#include "zeroshard/comm/communicator.h"
+#include "zeroshard/config/config.h"
+#include "zeroshard/grad/grad_storage.h"
+#include "zeroshard/layout/param_storage.h"
+#include "zeroshard/state/model_state.h"
+
+namespace zeroshard {
+
+OptimizerStep::OptimizerStep(const Config& config, ModelState& model, int rank)
+    : gradientClipping_(config.gradientClipping),
+      nonfinite_(config.extras.nonfinite),
+      nonfiniteCheck_(config.extras.nonfiniteCheck),
+      schedulerType_(config.scheduler.type),
+      warns_(rank == 0) {
+  if (config.fp16.enabled) scaler_.emplace(config.fp16);
+  ShardedAdamW& optimizer = model.optimizer();
+  if (config.scheduler.enabled()) {
+    // The groups' lrs before the schedule touches them: WarmupCosineLR's ratios multiply them,
+    // WarmupLR without warmup_max_lr warms up to them.
+    std::vector<double> baseLrs;
+    for (int g = 0; g < optimizer.numGroups(); ++g) baseLrs.push_back(optimizer.hyper(g).lr);
+    schedule_.emplace(config.scheduler, std::move(baseLrs));
+    if (schedule_->current()) applySchedule(optimizer, *schedule_->current());
+  }
+  deferred_ = decideDeferred(model);
+}
+
+bool OptimizerStep::take(ModelState& model, Communicator& shardComm, int64_t boundary) {
+  ShardedAdamW& optimizer = model.optimizer();
+  const ShardingPlan& plan = model.plan();
+  model.grads().finishCopies();
+  // Before this step reads the lr and step count, which a skipped last step must not have moved.
+  settle(model, boundary);
+  // Note [host writes after device reads]: the host step writes pinned host buffers (masters,
+  // stage-3 host shards) that asynchronous copies queued on the device may still be reading
+  // (the last step's copy back, a gather's host-to-device copy). Waiting for the device here
+  // costs little: the host step needs the gradients, which come after that work anyway.
+  const bool optimizerOnHost = plan.anyOptimizerOnHost(model.buckets().size());
+  if (optimizerOnHost || plan.paramsOnHost()) model.synchronizeDevice();
+  optimizer.prepareGrads();
+  at::Tensor skipOnDevice;  // the deferred check's flag: the kernel skips the step when it is 1
+  if (scaler_) {
+    const bool overflow = overflowed(model, shardComm);
+    scaler_->update(overflow);
+    if (overflow) return skip(model);
+  } else if (deferred_) {
+    skipOnDevice = nonfiniteOnDevice(model, shardComm);
+  } else if (nonfinite_ != "off" && !gradsFinite(model, shardComm, boundary)) {
+    return skip(model);  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
+  }
+  clipGradients(model, shardComm);
+  if (optimizerOnHost) {
+    stepBucketByBucket(model);
+  } else {
+    optimizer.step(skipOnDevice);
+    model.masters().pushToParams(model.buckets());
+    model.params().afterStep();
+  }
+  if (skipOnDevice.defined()) deferredSkip_.record(skipOnDevice, boundary, optimizer);
+  if (schedule_) applySchedule(optimizer, schedule_->step());
+  finish(model);
+  return true;
+}
+
+// Offload: bucket by bucket, the AdamW step (on the host for offloaded buckets), the copy of the
+// updated shard into the parameters (asynchronous from pinned memory on a GPU), and the start of
+// the bucket's all-gather (stages 1-2; at stage 3 the shard is the parameter storage), so each
+// bucket's copy and gather overlap the next one's step. The values are step()'s.
+void OptimizerStep::stepBucketByBucket(ModelState& model) {
+  ShardedAdamW& optimizer = model.optimizer();
+  optimizer.beginStep();
+  for (size_t b = 0; b < model.buckets().size(); ++b) {
+    std::vector<ShardedAdamW::ShardRef> shards;
+    for (const auto& slot : model.slots()[b]) shards.push_back({slot.group, slot.index});
+    optimizer.stepShards(shards);
+    model.masters().pushToParams(model.buckets()[b], b);
+    model.params().afterStepOf(b);
+  }
+  optimizer.endStep();
+  model.params().finishAfterStep();
+}
+
+bool OptimizerStep::overflowed(ModelState& model, Communicator& shardComm) {
+  auto found = model.optimizer().unscaleAndFindNonFinite(1.0 / scaler_->scale(), model.device());
+  // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
+  // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
+  if (model.plan().optimizerSharded()) shardComm.allReduce(found).wait();
+  return found.item<float>() > 0;
+}
+
+// Every rank skips: parameters and optimizer state stay as they were.
+bool OptimizerStep::skip(ModelState& model) {
+  model.optimizer().discardPrepared();
+  ++skippedSteps_;
+  finish(model);
+  return false;
+}
+
+void OptimizerStep::finish(ModelState& model) {
+  model.endStep();
+  stepSquares_ = at::Tensor();
+}
+
+// The squared global norm of the step's gradients, computed once a step (the nonfinite check
+// and clipping share it).
+const at::Tensor& OptimizerStep::globalGradSquares(ModelState& model, Communicator& shardComm) {
+  if (stepSquares_.defined()) return stepSquares_;
+  stepSquares_ = model.optimizer().localGradSquareSum(model.device());
+  // Each rank holds a disjoint shard of the reduced gradients. Without clipping only the
+  // nonfinite check reads the norm: its one-value reduction is a check, not the step's traffic,
+  // and comm_stats() (held to the stages' formulas) does not count it.
+  if (model.plan().optimizerSharded()) {
+    std::optional<UncountedCollectives> uncounted;
+    if (gradientClipping_ <= 0) uncounted.emplace(shardComm);
+    shardComm.allReduce(stepSquares_).wait();
+  }
+  return stepSquares_;
+}
+
+void OptimizerStep::clipGradients(ModelState& model, Communicator& shardComm) {
+  const double maxNorm = gradientClipping_;
+  if (maxNorm <= 0) return;
+  lastGradNorm_ = globalGradSquares(model, shardComm).sqrt();
+  const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
+  // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
+  // is needed; on a GPU it would be a host synchronisation, so a factor of 1 is applied there.
+  if (!coef.device().is_cpu() || coef.item<double>() < 1.0) model.optimizer().scaleGrads(coef);
+}
+
+void OptimizerStep::applySchedule(ShardedAdamW& optimizer, const std::vector<ScheduledValues>& values) {
+  TORCH_INTERNAL_ASSERT(static_cast<int>(values.size()) == optimizer.numGroups());
+  for (int g = 0; g < optimizer.numGroups(); ++g) {
+    AdamWHyper& hyper = optimizer.hyper(g);
+    const ScheduledValues& v = values[g];
+    hyper.lr = v.lr;
+    if (v.beta1) hyper.beta1 = *v.beta1;
+    if (v.beta2) hyper.beta2 = *v.beta2;
+  }
+}
+
+void OptimizerStep::setLearningRate(ShardedAdamW& optimizer, double lr, int group) const {
+  TORCH_CHECK(!schedule_, "zeroshard: set_lr: the config's scheduler (", schedulerType_,
+              ") sets the learning rate after every optimizer step, so a value set here would not last; "
+              "remove \"scheduler\" from the config to schedule the lr yourself");
+  TORCH_CHECK(lr >= 0, "zeroshard: learning rate must be >= 0, got ", lr);
+  TORCH_CHECK(group >= -1 && group < optimizer.numGroups(), "zeroshard: param group ", group,
+              " does not exist (", optimizer.numGroups(), " groups)");
+  for (int g = 0; g < optimizer.numGroups(); ++g) {
+    if (group == -1 || group == g) optimizer.hyper(g).lr = lr;
+  }
+}
+
+double OptimizerStep::learningRate(const ShardedAdamW& optimizer, int group) {
+  TORCH_CHECK(group >= 0 && group < optimizer.numGroups(), "zeroshard: param group ", group,
+              " does not exist (", optimizer.numGroups(), " groups)");
+  return optimizer.hyper(group).lr;
+}
+
+std::vector<double> OptimizerStep::learningRates(const ShardedAdamW& optimizer) {
+  std::vector<double> out;
+  for (int g = 0; g < optimizer.numGroups(); ++g) out.push_back(optimizer.hyper(g).lr);
+  return out;
+}
+
+std::vector<std::pair<double, double>> OptimizerStep::betas(const ShardedAdamW& optimizer) {
+  std::vector<std::pair<double, double>> out;
+  for (int g = 0; g < optimizer.numGroups(); ++g) out.emplace_back(optimizer.hyper(g).beta1, optimizer.hyper(g).beta2);
+  return out;
+}
+
+void OptimizerStep::loadScheduleState(ModelState& model, int64_t lastBatchIteration, int64_t boundary) {
+  TORCH_CHECK(schedule_, "zeroshard: lr_scheduler.load_state_dict: the config has no \"scheduler\"");
+  TORCH_CHECK(lastBatchIteration >= -1, "zeroshard: lr_scheduler.load_state_dict: last_batch_iteration must be -1 "
+              "or more, got ", lastBatchIteration);
+  settle(model, boundary, "at lr_scheduler.load_state_dict()");  // a rewind after the restore would undo it
+  schedule_->restore(lastBatchIteration);
+}
+
+void OptimizerStep::afterLoad(ShardedAdamW& optimizer, bool loadedWithSchedule) {
+  // The schedule owns the lr (LoadOptions::loadSchedulerState): the saved groups' values stand
+  // only when they came with the schedule state they belong to.
+  if (schedule_ && schedule_->current() && !loadedWithSchedule) applySchedule(optimizer, *schedule_->current());
+}
+
+} // namespace zeroshard

@@ -108,8 +108,9 @@ void Engine::backward(const at::Tensor& loss, bool scaleByAccumulation) {
   reducer.beginBackward(boundary);
   try {
     // fp16: the loss is scaled in fp32 (the gradient entering the fp16 graph is the scale).
-    const at::Tensor scaled = step_.scaler() ? loss.to(at::kFloat) * (step_.lossScale() / static_cast<double>(accumulation))
-                              : accumulation > 1 ? loss / static_cast<double>(accumulation)
+    const double divisor = static_cast<double>(accumulation);
+    const at::Tensor scaled = step_.scaler() ? loss.to(at::kFloat) * (step_.lossScale() / divisor)
+                              : accumulation > 1 ? loss / divisor
                                                  : loss;
     torch::autograd::backward({scaled});
   } catch (...) {

@@ -1,5 +1,5 @@
-// Engine methods that write parameters (engine_params.cpp, engine_pretrained.cpp), added to the
-// Engine class that bind_engine.cpp defines; module.cpp binds this after it.
+// Engine methods that write parameters (state/model_params.cpp, checkpoint/pretrained_load.cpp),
+// added to the Engine class that bind_engine.cpp defines; module.cpp binds this after it.
 #include "bindings.h"
 
 #include <torch/csrc/utils/pybind.h>

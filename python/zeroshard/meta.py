@@ -1,6 +1,6 @@
 """Models built on the meta device: the steps that initialise them (zeroshard.initialize).
 
-The engine allocates only what this rank keeps and runs the steps (csrc/zeroshard/engine/engine_init.cpp,
+The engine allocates only what this rank keeps and runs the steps (csrc/zeroshard/state/meta_init.cpp,
 Note [meta initialisation]): one per module that holds parameters or buffers of its own, in
 named_modules() order, each calling the module's reset_parameters() or init_fn(module).
 """

@@ -1,5 +1,5 @@
 """Models built on the meta device: initialize allocates only this rank's share and initialises
-it module by module (csrc/zeroshard/engine/engine_init.cpp, Note [meta initialisation]).
+it module by module (csrc/zeroshard/state/meta_init.cpp, Note [meta initialisation]).
 
 Held to: the same weights (fp32 masters and compute-dtype parameters, bitwise) and the same
 memory_stats() as building the model normally with the same seed, at stages 0-3, fp32 and bf16,

@@ -6,8 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "zeroshard/engine/accumulation_window.h"
-#include "zeroshard/checkpoint/module_state.h"
+#include "zeroshard/optim/accumulation_window.h"
+#include "zeroshard/state/module_state.h"
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/layout/bucket.h"

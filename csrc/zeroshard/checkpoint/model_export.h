@@ -3,7 +3,7 @@
 // compute dtype, buffers and frozen parameters as the model holds them, in safetensors or
 // torch.save's format. Everything about the file (names, dtypes, shapes, offsets) is known
 // before any data, so the header goes first and each tensor's bytes follow as soon as the
-// tensor is whole: at stage 3 one unit is gathered at a time (engine_export.cpp).
+// tensor is whole: at stage 3 one unit is gathered at a time (streamed_export.cpp).
 //
 // Note [one tensor, several names]: a tied weight is one tensor under several state-dict names.
 // safetensors files hold no shared tensors, so it is written once, under its first name, as

@@ -1,7 +1,7 @@
 // Pretrained weights from outside zeroshard (a Hugging Face checkpoint: one .safetensors file,
 // or model.safetensors.index.json and its shards): which files, where each tensor is, and
 // which of them the model takes under its state-dict names. Engine::loadPretrained
-// (engine_pretrained.cpp) reads the ranges each rank holds; docs/checkpoints.md, "Loading
+// (pretrained_load.cpp) reads the ranges each rank holds; docs/checkpoints.md, "Loading
 // pretrained weights".
 #pragma once
 

@@ -152,7 +152,7 @@ struct ZeroshardExtras {
   // fp16 does, counting it; "off" checks nothing (no per-step read of the norm on the host).
   std::string nonfinite = "error";
   // When the host learns of such a step (docs/reliability.md, Note [deferred nonfinite check] in
-  // engine_nonfinite.cpp): "immediate" reads the norm on the host at the step (a host
+  // optim/nonfinite_check.cpp): "immediate" reads the norm on the host at the step (a host
   // synchronisation per step on a GPU) and names the first non-finite parameter; "deferred"
   // lets the optimizer kernel skip the step on the device and reads the flag at the next
   // boundary, log line or checkpoint save; "auto": deferred where the gradients are on a GPU.

@@ -8,6 +8,7 @@
 #include "zeroshard/checkpoint/streamed_export.h"
 #include "zeroshard/config/auto_values.h"
 #include "zeroshard/grad/grad_reducer.h"
+#include "zeroshard/layout/host_memory.h"
 #include "zeroshard/layout/param_storage.h"
 
 #include <chrono>
@@ -85,10 +86,13 @@ Engine::Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> process
                                      localWorldSizeFromEnv(processGroup->getSize()))),
       groups_(std::move(processGroup), timeoutOf(config_), plan_),
       state_(std::move(model), config_, plan_, groups_),
-      step_(config_, state_, groups_.world().rank()),
+      step_(config_, state_.stepped(), groups_.world().rank()),
       window_(batchSizes_.accumulationSteps),
       stepLog_(groups_.world().rank() == 0, config_.stepsPerPrint, config_.wallClockBreakdown,
-               [this] { return groups_.world().waitNanos(); }, [this] { state_.synchronizeDevice(); }),
+               [this] { return groups_.world().waitNanos(); },
+               [this] {
+                 if (!state_.buckets().empty()) synchronizeDevice(state_.device());
+               }),
       clock_(config_.extras.checkpointEveryMinutes) {
   groups_.resetStepStats();
 }
@@ -130,8 +134,9 @@ bool Engine::step() {
   bool taken = false;
   {
     const TimedPhase timed(stepLog_, StepPhase::kStep);
-    taken = step_.take(state_, groups_.shard(), window_.boundaries());
+    taken = step_.take(state_.stepped(), groups_.shard(), window_.boundaries());
     groups_.recordStep();
+    state_.recordPeaks();
   }
   logBoundary();
   if (clock_.savesOnStep() && checkpointDue()) saveCheckpoint(config_.extras.checkpointDir);
@@ -159,7 +164,7 @@ void Engine::beginForward() { stepLog_.begin(StepPhase::kForward); }
 void Engine::endForward() { stepLog_.end(StepPhase::kForward); }
 
 void Engine::settleLastStep(const std::optional<std::string>& where) {
-  step_.settle(state_, window_.boundaries(), where);
+  step_.settle(state_.stepped(), window_.boundaries(), where);
 }
 
 void Engine::checkLastStep() { settleLastStep("by check_last_step()"); }
@@ -279,7 +284,7 @@ std::vector<double> Engine::learningRates() const { return OptimizerStep::learni
 std::vector<std::pair<double, double>> Engine::betas() const { return OptimizerStep::betas(state_.optimizer()); }
 
 void Engine::loadLrScheduleState(int64_t lastBatchIteration) {
-  step_.loadScheduleState(state_, lastBatchIteration, window_.boundaries());
+  step_.loadScheduleState(state_.stepped(), lastBatchIteration, window_.boundaries());
 }
 
 } // namespace zeroshard

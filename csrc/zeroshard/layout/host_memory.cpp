@@ -1,6 +1,7 @@
 #include "zeroshard/layout/host_memory.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 namespace zeroshard {
 
@@ -35,6 +36,11 @@ void copyBetween(const at::Tensor& dst, const at::Tensor& src) {
     staged.copy_(src, /*non_blocking=*/pinned);
     dst.copy_(staged);
   }
+}
+
+void synchronizeDevice(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
 }
 
 }  // namespace zeroshard

@@ -24,5 +24,9 @@ at::Tensor copyToHost(const at::Tensor& src, bool pin, const c10::Device& comput
 // (the copy is then ordered on the current stream, like a kernel: the host side must not be
 // read or written before that stream has run it). A dtype change is done on the device side.
 void copyBetween(const at::Tensor& dst, const at::Tensor& src);
+// Waits for everything queued on `device` (nothing to wait for on a CPU): before the host writes
+// buffers that asynchronous copies may still read (Note [host writes after device reads] in
+// optim/optimizer_step.cpp), and for wall_clock_breakdown's timers.
+void synchronizeDevice(const c10::Device& device);
 
 }  // namespace zeroshard

@@ -1,5 +1,5 @@
 // A step the optimizer kernel may have skipped on the device, which the host learns of later
-// (zeroshard.nonfinite_check "deferred", Note [deferred nonfinite check] in engine_nonfinite.cpp).
+// (zeroshard.nonfinite_check "deferred", Note [deferred nonfinite check] in nonfinite_check.cpp).
 // The step's found-inf flag is brought to the host without blocking when it is recorded; it is
 // read at the next boundary (or log line, checkpoint save, explicit check), and a step found
 // skipped is then taken back where the host counted it.

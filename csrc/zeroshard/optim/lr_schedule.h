@@ -66,7 +66,7 @@ class LrSchedule {
   void restore(int64_t lastBatchIteration);
   // Undoes the last step(): last_batch_iteration and current() are again what they were before
   // it. The engine takes back a step it learns only at the next boundary was skipped on the
-  // device (Note [deferred nonfinite check] in engine_nonfinite.cpp), before stepping again, so
+  // device (Note [deferred nonfinite check] in nonfinite_check.cpp), before stepping again, so
   // one level is kept; throws std::logic_error when there is no step() to undo (none since
   // construction, restore() or the last rewind()).
   void rewind();

@@ -33,7 +33,8 @@
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/comm/gather_values.h"
 #include "zeroshard/grad/grad_storage.h"
-#include "zeroshard/state/model_state.h"
+#include "zeroshard/optim/optimizer.h"
+#include "zeroshard/plan/sharding_plan.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,10 +43,10 @@
 
 namespace zeroshard {
 
-bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int64_t boundary) {
-  if (std::isfinite(globalGradSquares(model, shardComm).item<double>())) return true;
-  const std::vector<Bucket>& buckets = model.buckets();
-  const ShardingPlan& plan = model.plan();
+bool OptimizerStep::gradsFinite(const SteppedState& state, Communicator& shardComm, int64_t boundary) {
+  if (std::isfinite(globalGradSquares(state, shardComm).item<double>())) return true;
+  const std::vector<Bucket>& buckets = state.buckets;
+  const ShardingPlan& plan = state.plan;
   // This rank's first parameter (by index over all buckets, in buffer order) holding a non-finite
   // gradient element in the range it steps; every rank's, then the smallest.
   int64_t first = -1;
@@ -54,7 +55,7 @@ bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int6
     const auto& layout = buckets[b].layout();
     const ShardRange held =
         plan.optimizerSharded() ? layout.shardRange(shardComm.rank()) : ShardRange{0, layout.paddedNumel()};
-    const at::Tensor& grad = model.grads().optimizerGrad(b);
+    const at::Tensor& grad = state.grads.optimizerGrad(b);
     for (const auto& piece : layout.piecesIn(held)) {
       const auto values = grad.narrow(0, piece.shardOffset, piece.paramEnd - piece.paramBegin);
       if (!at::isfinite(values).all().item<bool>()) {
@@ -66,7 +67,7 @@ bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int6
   }
   if (plan.optimizerSharded()) {
     int64_t smallest = -1;
-    for (const auto& theirs : allGatherValues(shardComm, {first}, model.device())) {
+    for (const auto& theirs : allGatherValues(shardComm, {first}, state.device())) {
       if (theirs.at(0) >= 0 && (smallest < 0 || theirs[0] < smallest)) smallest = theirs[0];
     }
     first = smallest;
@@ -88,8 +89,8 @@ bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int6
     if (warns_) TORCH_WARN(what, "; the step is skipped on every rank (zeroshard.nonfinite \"skip\")");
     return false;
   }
-  model.optimizer().discardPrepared();
-  model.grads().zero();
+  state.optimizer.discardPrepared();
+  state.grads.zero();
   stepSquares_ = at::Tensor();
   TORCH_CHECK(false, what, ". Nothing was updated. zeroshard.nonfinite \"skip\" skips such steps instead, as "
                            "fp16's loss scaling does; lower the learning rate or clip (gradient_clipping) if it "
@@ -97,14 +98,14 @@ bool OptimizerStep::gradsFinite(ModelState& model, Communicator& shardComm, int6
   return false;
 }
 
-bool OptimizerStep::decideDeferred(const ModelState& model) const {
+bool OptimizerStep::decideDeferred(const SteppedState& state) const {
   const std::string& check = nonfiniteCheck_;
   std::string immediate;  // why the deferred check is not used, where it cannot be
   if (nonfinite_ == "off") {
     immediate = "zeroshard.nonfinite is \"off\": nothing is checked";
   } else if (scaler_) {
     immediate = "with fp16 the loss scaler checks every step for an overflow, on the host";
-  } else if (model.plan().anyOptimizerOnHost(model.buckets().size())) {
+  } else if (state.plan.anyOptimizerOnHost(state.buckets.size())) {
     immediate = "the offloaded optimizer steps on the host, which has the gradients' norm there anyway";
   }
   if (!immediate.empty()) {
@@ -113,17 +114,17 @@ bool OptimizerStep::decideDeferred(const ModelState& model) const {
     }
     return false;
   }
-  const bool onCpu = model.buckets().empty() || model.device().is_cpu();
+  const bool onCpu = state.buckets.empty() || state.device().is_cpu();
   return check == "deferred" || (check == "auto" && !onCpu);
 }
 
-at::Tensor OptimizerStep::nonfiniteOnDevice(ModelState& model, Communicator& shardComm) {
+at::Tensor OptimizerStep::nonfiniteOnDevice(const SteppedState& state, Communicator& shardComm) {
   // 0-dim float, 0 or 1 (the kernel skips at exactly 1): no host read.
-  return at::isfinite(globalGradSquares(model, shardComm)).logical_not().to(at::kFloat);
+  return at::isfinite(globalGradSquares(state, shardComm)).logical_not().to(at::kFloat);
 }
 
-void OptimizerStep::settle(ModelState& model, int64_t boundary, const std::optional<std::string>& where) {
-  const std::optional<int64_t> step = deferredSkip_.settle(model.optimizer(), schedule());
+void OptimizerStep::settle(const SteppedState& state, int64_t boundary, const std::optional<std::string>& where) {
+  const std::optional<int64_t> step = deferredSkip_.settle(state.optimizer, schedule());
   if (!step) return;
   const std::string what = "zeroshard: the gradients of step " + std::to_string(*step) +
                            " hold an inf or NaN (a non-finite loss, or an overflow in backward); the optimizer "
@@ -136,7 +137,7 @@ void OptimizerStep::settle(ModelState& model, int64_t boundary, const std::optio
     return;
   }
   const std::string dropped = where ? "" : ", whose gradients are dropped too";
-  model.grads().zero();
+  state.grads.zero();
   stepSquares_ = at::Tensor();
   TORCH_CHECK(false, what, " (", found, dropped, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
               "scaling does; lower the learning rate or clip (gradient_clipping) if it recurs. "

@@ -5,19 +5,22 @@
 #include "zeroshard/comm/communicator.h"
 #include "zeroshard/config/config.h"
 #include "zeroshard/grad/grad_storage.h"
+#include "zeroshard/layout/host_memory.h"
 #include "zeroshard/layout/param_storage.h"
-#include "zeroshard/state/model_state.h"
+#include "zeroshard/optim/master_weights.h"
+#include "zeroshard/optim/optimizer.h"
+#include "zeroshard/plan/sharding_plan.h"
 
 namespace zeroshard {
 
-OptimizerStep::OptimizerStep(const Config& config, ModelState& model, int rank)
+OptimizerStep::OptimizerStep(const Config& config, const SteppedState& state, int rank)
     : gradientClipping_(config.gradientClipping),
       nonfinite_(config.extras.nonfinite),
       nonfiniteCheck_(config.extras.nonfiniteCheck),
       schedulerType_(config.scheduler.type),
       warns_(rank == 0) {
   if (config.fp16.enabled) scaler_.emplace(config.fp16);
-  ShardedAdamW& optimizer = model.optimizer();
+  ShardedAdamW& optimizer = state.optimizer;
   if (config.scheduler.enabled()) {
     // The groups' lrs before the schedule touches them: WarmupCosineLR's ratios multiply them,
     // WarmupLR without warmup_max_lr warms up to them.
@@ -26,43 +29,43 @@ OptimizerStep::OptimizerStep(const Config& config, ModelState& model, int rank)
     schedule_.emplace(config.scheduler, std::move(baseLrs));
     if (schedule_->current()) applySchedule(optimizer, *schedule_->current());
   }
-  deferred_ = decideDeferred(model);
+  deferred_ = decideDeferred(state);
 }
 
-bool OptimizerStep::take(ModelState& model, Communicator& shardComm, int64_t boundary) {
-  ShardedAdamW& optimizer = model.optimizer();
-  const ShardingPlan& plan = model.plan();
-  model.grads().finishCopies();
+bool OptimizerStep::take(const SteppedState& state, Communicator& shardComm, int64_t boundary) {
+  ShardedAdamW& optimizer = state.optimizer;
+  const ShardingPlan& plan = state.plan;
+  state.grads.finishCopies();
   // Before this step reads the lr and step count, which a skipped last step must not have moved.
-  settle(model, boundary);
+  settle(state, boundary);
   // Note [host writes after device reads]: the host step writes pinned host buffers (masters,
   // stage-3 host shards) that asynchronous copies queued on the device may still be reading
   // (the last step's copy back, a gather's host-to-device copy). Waiting for the device here
   // costs little: the host step needs the gradients, which come after that work anyway.
-  const bool optimizerOnHost = plan.anyOptimizerOnHost(model.buckets().size());
-  if (optimizerOnHost || plan.paramsOnHost()) model.synchronizeDevice();
+  const bool optimizerOnHost = plan.anyOptimizerOnHost(state.buckets.size());
+  if (optimizerOnHost || plan.paramsOnHost()) synchronizeDevice(state.device());
   optimizer.prepareGrads();
   at::Tensor skipOnDevice;  // the deferred check's flag: the kernel skips the step when it is 1
   if (scaler_) {
-    const bool overflow = overflowed(model, shardComm);
+    const bool overflow = overflowed(state, shardComm);
     scaler_->update(overflow);
-    if (overflow) return skip(model);
+    if (overflow) return skip(state);
   } else if (deferred_) {
-    skipOnDevice = nonfiniteOnDevice(model, shardComm);
-  } else if (nonfinite_ != "off" && !gradsFinite(model, shardComm, boundary)) {
-    return skip(model);  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
+    skipOnDevice = nonfiniteOnDevice(state, shardComm);
+  } else if (nonfinite_ != "off" && !gradsFinite(state, shardComm, boundary)) {
+    return skip(state);  // zeroshard.nonfinite "skip" ("error" raised in gradsFinite)
   }
-  clipGradients(model, shardComm);
+  clipGradients(state, shardComm);
   if (optimizerOnHost) {
-    stepBucketByBucket(model);
+    stepBucketByBucket(state);
   } else {
     optimizer.step(skipOnDevice);
-    model.masters().pushToParams(model.buckets());
-    model.params().afterStep();
+    state.masters.pushToParams(state.buckets);
+    state.params.afterStep();
   }
   if (skipOnDevice.defined()) deferredSkip_.record(skipOnDevice, boundary, optimizer);
   if (schedule_) applySchedule(optimizer, schedule_->step());
-  finish(model);
+  finish(state);
   return true;
 }
 
@@ -70,50 +73,50 @@ bool OptimizerStep::take(ModelState& model, Communicator& shardComm, int64_t bou
 // updated shard into the parameters (asynchronous from pinned memory on a GPU), and the start of
 // the bucket's all-gather (stages 1-2; at stage 3 the shard is the parameter storage), so each
 // bucket's copy and gather overlap the next one's step. The values are step()'s.
-void OptimizerStep::stepBucketByBucket(ModelState& model) {
-  ShardedAdamW& optimizer = model.optimizer();
+void OptimizerStep::stepBucketByBucket(const SteppedState& state) {
+  ShardedAdamW& optimizer = state.optimizer;
   optimizer.beginStep();
-  for (size_t b = 0; b < model.buckets().size(); ++b) {
+  for (size_t b = 0; b < state.buckets.size(); ++b) {
     std::vector<ShardedAdamW::ShardRef> shards;
-    for (const auto& slot : model.slots()[b]) shards.push_back({slot.group, slot.index});
+    for (const auto& slot : state.slots[b]) shards.push_back({slot.group, slot.index});
     optimizer.stepShards(shards);
-    model.masters().pushToParams(model.buckets()[b], b);
-    model.params().afterStepOf(b);
+    state.masters.pushToParams(state.buckets[b], b);
+    state.params.afterStepOf(b);
   }
   optimizer.endStep();
-  model.params().finishAfterStep();
+  state.params.finishAfterStep();
 }
 
-bool OptimizerStep::overflowed(ModelState& model, Communicator& shardComm) {
-  auto found = model.optimizer().unscaleAndFindNonFinite(1.0 / scaler_->scale(), model.device());
+bool OptimizerStep::overflowed(const SteppedState& state, Communicator& shardComm) {
+  auto found = state.optimizer.unscaleAndFindNonFinite(1.0 / scaler_->scale(), state.device());
   // Shards differ between ranks: one rank's inf must stop every rank's step. The flag is read
   // on the host once (the one synchronisation of an fp16 step), after the ranks are combined.
-  if (model.plan().optimizerSharded()) shardComm.allReduce(found).wait();
+  if (state.plan.optimizerSharded()) shardComm.allReduce(found).wait();
   return found.item<float>() > 0;
 }
 
 // Every rank skips: parameters and optimizer state stay as they were.
-bool OptimizerStep::skip(ModelState& model) {
-  model.optimizer().discardPrepared();
+bool OptimizerStep::skip(const SteppedState& state) {
+  state.optimizer.discardPrepared();
   ++skippedSteps_;
-  finish(model);
+  finish(state);
   return false;
 }
 
-void OptimizerStep::finish(ModelState& model) {
-  model.endStep();
+void OptimizerStep::finish(const SteppedState& state) {
+  state.grads.zero();
   stepSquares_ = at::Tensor();
 }
 
 // The squared global norm of the step's gradients, computed once a step (the nonfinite check
 // and clipping share it).
-const at::Tensor& OptimizerStep::globalGradSquares(ModelState& model, Communicator& shardComm) {
+const at::Tensor& OptimizerStep::globalGradSquares(const SteppedState& state, Communicator& shardComm) {
   if (stepSquares_.defined()) return stepSquares_;
-  stepSquares_ = model.optimizer().localGradSquareSum(model.device());
+  stepSquares_ = state.optimizer.localGradSquareSum(state.device());
   // Each rank holds a disjoint shard of the reduced gradients. Without clipping only the
   // nonfinite check reads the norm: its one-value reduction is a check, not the step's traffic,
   // and comm_stats() (held to the stages' formulas) does not count it.
-  if (model.plan().optimizerSharded()) {
+  if (state.plan.optimizerSharded()) {
     std::optional<UncountedCollectives> uncounted;
     if (gradientClipping_ <= 0) uncounted.emplace(shardComm);
     shardComm.allReduce(stepSquares_).wait();
@@ -121,14 +124,14 @@ const at::Tensor& OptimizerStep::globalGradSquares(ModelState& model, Communicat
   return stepSquares_;
 }
 
-void OptimizerStep::clipGradients(ModelState& model, Communicator& shardComm) {
+void OptimizerStep::clipGradients(const SteppedState& state, Communicator& shardComm) {
   const double maxNorm = gradientClipping_;
   if (maxNorm <= 0) return;
-  lastGradNorm_ = globalGradSquares(model, shardComm).sqrt();
+  lastGradNorm_ = globalGradSquares(state, shardComm).sqrt();
   const at::Tensor coef = lastGradNorm_.add(1e-6).reciprocal().mul_(maxNorm).clamp_max_(1.0);
   // On a CPU reading coef costs nothing and saves a pass over the gradients when no clipping
   // is needed; on a GPU it would be a host synchronisation, so a factor of 1 is applied there.
-  if (!coef.device().is_cpu() || coef.item<double>() < 1.0) model.optimizer().scaleGrads(coef);
+  if (!coef.device().is_cpu() || coef.item<double>() < 1.0) state.optimizer.scaleGrads(coef);
 }
 
 void OptimizerStep::applySchedule(ShardedAdamW& optimizer, const std::vector<ScheduledValues>& values) {
@@ -172,11 +175,11 @@ std::vector<std::pair<double, double>> OptimizerStep::betas(const ShardedAdamW& 
   return out;
 }
 
-void OptimizerStep::loadScheduleState(ModelState& model, int64_t lastBatchIteration, int64_t boundary) {
+void OptimizerStep::loadScheduleState(const SteppedState& state, int64_t lastBatchIteration, int64_t boundary) {
   TORCH_CHECK(schedule_, "zeroshard: lr_scheduler.load_state_dict: the config has no \"scheduler\"");
   TORCH_CHECK(lastBatchIteration >= -1, "zeroshard: lr_scheduler.load_state_dict: last_batch_iteration must be -1 "
               "or more, got ", lastBatchIteration);
-  settle(model, boundary, "at lr_scheduler.load_state_dict()");  // a rewind after the restore would undo it
+  settle(state, boundary, "at lr_scheduler.load_state_dict()");  // a rewind after the restore would undo it
   schedule_->restore(lastBatchIteration);
 }
 

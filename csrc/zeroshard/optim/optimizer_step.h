@@ -3,12 +3,14 @@
 // [deferred nonfinite check] in nonfinite_check.cpp), the global gradient norm and clipping,
 // the update itself (bucket by bucket when the optimizer is offloaded), and the config's
 // learning-rate schedule. It owns the state those keep between steps (the loss scale, the
-// schedule, the skipped steps, the last step's norm and flag); the model state it steps is
-// passed in for each call.
+// schedule, the skipped steps, the last step's norm and flag); what it steps of the model state
+// is lent for each call (SteppedState).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include "zeroshard/layout/bucket.h"
+#include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/deferred_skip.h"
 #include "zeroshard/optim/loss_scaler.h"
 #include "zeroshard/optim/lr_schedule.h"
@@ -22,26 +24,44 @@
 namespace zeroshard {
 
 class Communicator;
-class ModelState;
+class GradStorage;
+class MasterWeights;
+class ParamStorage;
 class ShardedAdamW;
+class ShardingPlan;
 struct Config;
+
+// What a step reads and writes of the model state, lent for one call (ModelState::stepped() in
+// state/model_state.h, which owns all of it).
+struct SteppedState {
+  const ShardingPlan& plan;
+  ShardedAdamW& optimizer;
+  MasterWeights& masters;
+  const std::vector<Bucket>& buckets;
+  const std::vector<std::vector<OptimizerSlot>>& slots;
+  GradStorage& grads;
+  ParamStorage& params;
+
+  at::Device device() const { return buckets.front().flatParams().device(); }
+};
 
 class OptimizerStep {
  public:
   // With a config "scheduler", puts its start values into the optimizer's groups. `rank` is
   // the world rank (rank 0 warns for every rank).
-  OptimizerStep(const Config& config, ModelState& model, int rank);
+  OptimizerStep(const Config& config, const SteppedState& state, int rank);
 
   // The step at the boundary numbered `boundary` (the windows ended, this one included), once
   // the window's gradients are reduced: returns false when it was skipped (fp16's overflow,
   // zeroshard.nonfinite "skip"), true when taken (with the deferred check: taken as far as
   // the host knows). The gradients are zeroed either way. Collective over `shardComm` where the
-  // optimizer is sharded (the overflow flag, the norm, naming a non-finite gradient).
-  bool take(ModelState& model, Communicator& shardComm, int64_t boundary);
+  // optimizer is sharded (the overflow flag, the norm, naming a non-finite gradient). The
+  // caller records the step's peaks and collectives after it (ModelState::recordPeaks).
+  bool take(const SteppedState& state, Communicator& shardComm, int64_t boundary);
   // The deferred check: reads the last step's flag (blocking) and acts on it as
   // zeroshard.nonfinite says ("error" raises, "skip" counts); a no-op when settled already.
   // `where` names, for the error, where it was found (none: at the step numbered `boundary`).
-  void settle(ModelState& model, int64_t boundary, const std::optional<std::string>& where = std::nullopt);
+  void settle(const SteppedState& state, int64_t boundary, const std::optional<std::string>& where = std::nullopt);
   // Whether the deferred check is used (decided at construction).
   bool defersNonfiniteCheck() const { return deferred_; }
 
@@ -64,24 +84,24 @@ class OptimizerStep {
   static std::vector<double> learningRates(const ShardedAdamW& optimizer);
   static std::vector<std::pair<double, double>> betas(const ShardedAdamW& optimizer);
   // DeepSpeed's lr_scheduler.load_state_dict (settles the last step first).
-  void loadScheduleState(ModelState& model, int64_t lastBatchIteration, int64_t boundary);
+  void loadScheduleState(const SteppedState& state, int64_t lastBatchIteration, int64_t boundary);
   // After a checkpoint load: the schedule's current values go back into the groups unless the
   // loaded groups came with the schedule state they belong to.
   void afterLoad(ShardedAdamW& optimizer, bool loadedWithSchedule);
 
  private:
-  void stepBucketByBucket(ModelState& model);
-  const at::Tensor& globalGradSquares(ModelState& model, Communicator& shardComm);
-  void clipGradients(ModelState& model, Communicator& shardComm);
-  bool overflowed(ModelState& model, Communicator& shardComm);
-  bool skip(ModelState& model);
-  void finish(ModelState& model);
+  void stepBucketByBucket(const SteppedState& state);
+  const at::Tensor& globalGradSquares(const SteppedState& state, Communicator& shardComm);
+  void clipGradients(const SteppedState& state, Communicator& shardComm);
+  bool overflowed(const SteppedState& state, Communicator& shardComm);
+  bool skip(const SteppedState& state);
+  void finish(const SteppedState& state);
   void applySchedule(ShardedAdamW& optimizer, const std::vector<ScheduledValues>& values);
   // zeroshard.nonfinite (nonfinite_check.cpp): whether the step's gradients are all finite;
   // when not, names the first parameter that is not ("error": raises; "skip": warns).
-  bool gradsFinite(ModelState& model, Communicator& shardComm, int64_t boundary);
-  bool decideDeferred(const ModelState& model) const;
-  at::Tensor nonfiniteOnDevice(ModelState& model, Communicator& shardComm);
+  bool gradsFinite(const SteppedState& state, Communicator& shardComm, int64_t boundary);
+  bool decideDeferred(const SteppedState& state) const;
+  at::Tensor nonfiniteOnDevice(const SteppedState& state, Communicator& shardComm);
 
   double gradientClipping_;
   std::string nonfinite_;       // zeroshard.nonfinite: "error", "skip" or "off"

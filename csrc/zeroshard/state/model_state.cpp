@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -141,8 +140,11 @@ ModelState::ModelState(ModelInputs model, const Config& config, const ShardingPl
 
 ModelState::~ModelState() = default;
 
-void ModelState::endStep() {
-  grads_->zero();
+SteppedState ModelState::stepped() {
+  return {plan_, optimizer_, *masters_, buckets_, slots_, *grads_, *params_};
+}
+
+void ModelState::recordPeaks() {
   lastPeakStagingBytes_ = reducer_->peakStagingBytes();
   reducer_->resetPeak();
   lastPeakGatheredBytes_ = params_->peakGatheredBytes();
@@ -184,13 +186,6 @@ MemoryStats ModelState::memoryStats() const {
     }
   }
   return stats;
-}
-
-void ModelState::synchronizeDevice() const {
-  if (buckets_.empty()) return;
-  const c10::Device d = device();
-  if (d.is_cpu()) return;
-  c10::impl::getDeviceGuardImpl(d.type())->synchronizeDevice(d.index());
 }
 
 void ModelState::checkUnitSpec(size_t unitSpec) const {

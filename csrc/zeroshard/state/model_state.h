@@ -7,21 +7,23 @@
 // (checkpoints, the export, pretrained loading, meta init) take it by reference for a call.
 //
 // Nothing here decides when a step happens or how gradients are checked and clipped
-// (optim/optimizer_step.h); it answers what is held, where, and by which name.
+// (optim/optimizer_step.h, which gets what it steps from stepped()); it answers what is held,
+// where, and by which name.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include "zeroshard/checkpoint/module_state.h"
-#include "zeroshard/engine/memory_stats.h"
 #include "zeroshard/layout/bucket.h"
 #include "zeroshard/layout/param_groups.h"
 #include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/master_weights.h"
 #include "zeroshard/optim/optimizer.h"
+#include "zeroshard/optim/optimizer_step.h"
 #include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/stage3/unit_builder.h"
+#include "zeroshard/state/memory_stats.h"
 #include "zeroshard/state/meta_init.h"
+#include "zeroshard/state/module_state.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -97,14 +99,14 @@ class ModelState {
   const UnitScheduler* units() const { return units_; }
   ModuleState& moduleState() { return moduleState_; }
 
-  // Zeroes the gradients and records the step's peaks (memoryStats) for the next step.
-  void endStep();
+  // What the optimizer step reads and writes, lent for one call.
+  SteppedState stepped();
+  // Records the last step's peaks (memoryStats) and starts counting the next step's.
+  void recordPeaks();
   // After the master weights were replaced (a checkpoint load): the parameters (every copy,
   // stage 3's gathered ones released first) take their values, and the gradients are zeroed.
   void followMasters();
   MemoryStats memoryStats() const;
-  // Waits for the compute device's queued work (nothing on a CPU).
-  void synchronizeDevice() const;
 
   // Every trained parameter, by its original name (full tensors; stages 0-2 keep them whole).
   std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;

@@ -1,5 +1,5 @@
 // The engine's accumulation boundary from C++ (Engine::setAccumulationBoundary, backward's
-// scaleByAccumulation; Note [accumulation boundary] in csrc/zeroshard/engine/accumulation_window.h),
+// scaleByAccumulation; Note [accumulation boundary] in csrc/zeroshard/optim/accumulation_window.h),
 // over the one-rank Gloo group in this process. 2 ranks and the Python layers:
 // tests/python/test_accumulation_boundary.py.
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// Engine::save16bitModel from C++ (csrc/zeroshard/engine/engine_export.cpp), over the one-rank Gloo
+// Engine::save16bitModel from C++ (csrc/zeroshard/checkpoint/streamed_export.cpp), over the one-rank Gloo
 // group in this process; 2 ranks, every stage and the formats' readers: tests/python/test_save_16bit.py.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-// A C++ model built with meta tensors (csrc/zeroshard/engine/engine_init.cpp, Engine's ModuleInit
+// A C++ model built with meta tensors (csrc/zeroshard/state/meta_init.cpp, Engine's ModuleInit
 // constructor), over the one-rank Gloo group in this process: the values are the init's, the
 // same at every stage, and construction allocates no more than what the engine then holds plus
 // one module's parameters. 2 and 4 ranks, every stage and precision: tests/python/test_meta_init.py.

@@ -1,5 +1,5 @@
 // The deferred nonfinite check's parts (Note [deferred nonfinite check] in
-// csrc/zeroshard/engine/engine_nonfinite.cpp): ShardedAdamW::step with a found-inf flag, which the
+// csrc/zeroshard/optim/nonfinite_check.cpp): ShardedAdamW::step with a found-inf flag, which the
 // fused kernel reads, and DeferredSkip (csrc/zeroshard/optim/deferred_skip.*), which brings
 // the flag to the host a step later and takes the step back there. On CPU tensors; the device
 // path (a pinned copy and an event) needs a GPU (tests/python/test_cuda.py).

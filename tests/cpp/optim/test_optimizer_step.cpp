@@ -59,7 +59,9 @@ struct Stepped {
         plan(ShardingPlan::fromConfig(config, 1)),
         groups(singleRankGroup(), kTimeout, plan),
         state(inputs(a, b), config, plan, groups),
-        step(config, state, 0) {}
+        step(config, state.stepped(), 0) {}
+
+  bool take(int64_t boundary) { return step.take(state.stepped(), groups.shard(), boundary); }
 
   // The gradients of sum(a * ga) + sum(b * gb) are ga and gb.
   void backward(const at::Tensor& ga, const at::Tensor& gb) {
@@ -90,7 +92,7 @@ TEST_CASE("the step clips to gradient_clipping by the global norm over every sha
     const at::Tensor gb = at::full({3}, 3.0, at::kFloat);
     const at::Tensor before = s.values();
     s.backward(ga, gb);
-    CHECK(s.step.take(s.state, s.groups.shard(), 1));
+    CHECK(s.take(1));
     const at::Tensor g = at::cat({ga, gb});
     const double norm = g.norm().item<double>();
     CHECK(s.step.lastGradNorm() == Approx(norm).epsilon(1e-6));
@@ -111,7 +113,7 @@ TEST_CASE("a non-finite gradient stops the step naming the first parameter, or i
     Stepped error(stage, R"("zeroshard": {"nonfinite": "error"})");
     const at::Tensor before = error.values();
     error.backward(ga, gb);
-    const std::string text = errorText([&] { error.step.take(error.state, error.groups.shard(), 1); });
+    const std::string text = errorText([&] { error.take(1); });
     CHECK(contains(text, "the gradients of step 1 hold an inf or NaN"));
     CHECK(contains(text, "the first parameter with a non-finite gradient is 'b'"));
     CHECK(at::equal(error.values(), before));
@@ -119,12 +121,12 @@ TEST_CASE("a non-finite gradient stops the step naming the first parameter, or i
 
     Stepped skip(stage, R"("zeroshard": {"nonfinite": "skip"})");
     skip.backward(ga, gb);
-    CHECK_FALSE(skip.step.take(skip.state, skip.groups.shard(), 1));
+    CHECK_FALSE(skip.take(1));
     CHECK(skip.step.skippedSteps() == 1);
     CHECK(at::equal(skip.values(), before));
     // The skipped step's gradients are gone: the next finite step is AdamW's first.
     skip.backward(ga, at::ones({3}, at::kFloat));
-    CHECK(skip.step.take(skip.state, skip.groups.shard(), 2));
+    CHECK(skip.take(2));
     CHECK(skip.state.optimizer().stepCount() == 1);
   }
 }
@@ -140,7 +142,7 @@ TEST_CASE("the config's schedule owns the lr: its start values, one step per ste
   CHECK(OptimizerStep::learningRates(s.state.optimizer()) == std::vector<double>{reference.current()->at(0).lr});
   for (int64_t boundary = 1; boundary <= 3; ++boundary) {
     s.backward(at::ones({6}), at::ones({3}));
-    CHECK(s.step.take(s.state, s.groups.shard(), boundary));
+    CHECK(s.take(boundary));
     CHECK(OptimizerStep::learningRates(s.state.optimizer()) == std::vector<double>{reference.step().at(0).lr});
   }
   CHECK(contains(errorText([&] { s.step.setLearningRate(s.state.optimizer(), 0.5, -1); }),

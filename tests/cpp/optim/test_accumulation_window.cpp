@@ -1,8 +1,8 @@
-// AccumulationWindow (csrc/zeroshard/engine/accumulation_window.h): which micro-step ends a window,
+// AccumulationWindow (csrc/zeroshard/optim/accumulation_window.h): which micro-step ends a window,
 // counted or forced, and the counts it keeps. The engine acting on it: test_engine_accumulation.cpp.
 #include "catch.h"
 
-#include "zeroshard/engine/accumulation_window.h"
+#include "zeroshard/optim/accumulation_window.h"
 
 #include <optional>
 #include <vector>

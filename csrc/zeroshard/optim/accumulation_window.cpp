@@ -1,4 +1,4 @@
-#include "zeroshard/engine/accumulation_window.h"
+#include "zeroshard/optim/accumulation_window.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "zeroshard/checkpoint/module_state.h"
+#include "zeroshard/state/module_state.h"
 
 #include <c10/util/Exception.h>
 

@@ -2,6 +2,7 @@
 // weights and AdamW state, rank 0 adds the manifest and publishes (directory.h); a load maps
 // each of this rank's flat ranges back to parameters by name, so the saving world size and
 // stage do not matter (reader.h). The format is in manifest.h; docs/checkpoints.md for users.
+// The save is engine_checkpoint.cpp, the load engine_checkpoint_load.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

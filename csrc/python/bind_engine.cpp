@@ -223,7 +223,7 @@ void bindEngine(py::module_& m) {
            }),
            "param_groups"_a, "group_name"_a, "config"_a, "units"_a = py::list(), "init_device"_a = "cpu",
            "init_steps"_a = py::list(), "frozen"_a = std::vector<std::pair<std::string, at::Tensor>>{},
-           "init_device, init_steps: a model on the meta device (engine.h, MetaInit): steps are "
+           "init_device, init_steps: a model on the meta device (state/meta_init.h, MetaInit): steps are "
            "(name, [parameter names], callable()), run in order. frozen: the model's frozen parameters "
            "[(name, tensor)], sharded with their units at stage 3.")
       .def("pre_forward", &Engine::preForward, "unit"_a, "inputs"_a = py::none(),

@@ -32,7 +32,7 @@ CENSUS_CAP_SECONDS = 30.0
 CENSUS_MARGIN_SECONDS = 2.0
 _POLL_SECONDS = 0.05
 # The messages of zeroshard's collective errors (comm/communicator.cpp rethrowWithContext) and
-# of a save or load whose agreement lost a rank (checkpoint/engine_checkpoint.cpp).
+# of a save or load whose agreement lost a rank (checkpoint/engine_checkpoint*.cpp).
 _PEER_FAILURE = re.compile(r"\((gloo|nccl)\) failed|another rank stopped answering")
 _failures = 0
 

@@ -27,6 +27,9 @@
 
 namespace zeroshard {
 
+class EngineGroups;
+class ModelState;
+class OptimizerStep;
 struct CheckpointManifest;
 
 struct LoadOptions {
@@ -102,10 +105,6 @@ std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchS
 std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
                            const std::string& clientState, const std::string& rankError,
                            bool excludeFrozen = false);
-class EngineGroups;
-class ModelState;
-class OptimizerStep;
-
 // The view of an engine's parts that one save or load takes (checkpointed_state.cpp): the
 // model state's buffers, the optimizer step's loss scale, schedule and skipped steps, the
 // window's counters, and the shard group's place.

@@ -169,7 +169,8 @@ bool exportModelFile(ModelState& model, Communicator& world, Communicator& shard
     });
     // The tensors arrive in the plan's order, the order the file lays them out in.
     const std::string writeError =
-        streamExport(model, world, shardComm, exported, [&](size_t, const at::Tensor& value) { writer->write(value); }, progress, result);
+        streamExport(model, world, shardComm, exported,
+                     [&](size_t, const at::Tensor& value) { writer->write(value); }, progress, result);
     agreeAcrossRanks(world, device, what, outcome, [&] {
       if (!writes) return;
       TORCH_CHECK(writeError.empty(), writeError);

@@ -39,27 +39,6 @@ Config withAutoResolved(Config config, const std::vector<ParamGroupSpec>& groups
   return std::move(resolved.config);
 }
 
-// Whether the parameters are on the meta device: all of them, or none (the engine then
-// allocates on MetaInit::device).
-bool onMeta(const std::vector<ParamGroupSpec>& groups) {
-  std::optional<std::string> meta, real;
-  std::string realDevice;
-  for (const auto& g : groups) {
-    for (size_t i = 0; i < g.params.size(); ++i) {
-      if (!g.params[i].defined()) continue;
-      if (g.params[i].is_meta()) {
-        if (!meta) meta = g.names[i];
-      } else if (!real) {
-        real = g.names[i];
-        realDevice = g.params[i].device().str();
-      }
-    }
-  }
-  TORCH_CHECK(!(meta && real), "zeroshard: parameter '", *meta, "' is on the meta device but '", *real, "' is on ",
-              realDevice, "; build the whole model on the meta device, or none of it");
-  return meta.has_value();
-}
-
 } // namespace
 
 Engine::Engine(std::vector<ParamGroupSpec> groups, c10::intrusive_ptr<c10d::ProcessGroup> processGroup,
@@ -80,11 +59,12 @@ Engine::Engine(torch::nn::Module& model, c10::intrusive_ptr<c10d::ProcessGroup> 
 // from the plan, the model state over the groups, the optimizer step over the model state.
 Engine::Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> processGroup, Config config)
     : config_(withAutoResolved(std::move(config), model.groups, *processGroup)),
-      batchSizes_(config_.batchSizes(processGroup->getSize())),
+      clock_(config_.extras.checkpointEveryMinutes),
       plan_(ShardingPlan::fromConfig(config_, processGroup->getSize(),
-                                     onMeta(model.groups) ? model.init.device.str() : deviceOfParamGroups(model.groups),
+                                     paramsOnMeta(model.groups) ? model.init.device.str() : deviceOfParamGroups(model.groups),
                                      localWorldSizeFromEnv(processGroup->getSize()))),
       groups_(std::move(processGroup), timeoutOf(config_), plan_),
+      batchSizes_(config_.batchSizes(groups_.world().worldSize())),
       state_(std::move(model), config_, plan_, groups_),
       step_(config_, state_.stepped(), groups_.world().rank()),
       window_(batchSizes_.accumulationSteps),
@@ -92,8 +72,7 @@ Engine::Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> process
                [this] { return groups_.world().waitNanos(); },
                [this] {
                  if (!state_.buckets().empty()) synchronizeDevice(state_.device());
-               }),
-      clock_(config_.extras.checkpointEveryMinutes) {
+               }) {
   groups_.resetStepStats();
 }
 

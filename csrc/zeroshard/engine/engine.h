@@ -91,7 +91,6 @@ class Engine {
   // ran keeps the decision that backward took. Every rank sets the same.
   void setAccumulationBoundary(std::optional<bool> boundary) { window_.setOverride(boundary); }
 
-
   const Config& config() const { return config_; }
   const BatchSizes& batchSizes() const { return batchSizes_; }
   int stage() const { return static_cast<int>(plan_.stage()); }
@@ -284,15 +283,15 @@ class Engine {
   void logBoundary();
 
   Config config_;
-  BatchSizes batchSizes_;
+  CheckpointClock clock_;  // counts from the engine's start
   ShardingPlan plan_;
   EngineGroups groups_;       // the world, the hybrid / hpZ subgroups, the step's counts by level
+  BatchSizes batchSizes_;
   ModelState state_;          // buckets, storage, masters, optimizer state, units, module state
   OptimizerStep step_;        // loss scale, the nonfinite check, clipping, the schedule
   AccumulationWindow window_;  // micro-steps, boundaries, the override; from backward to step
   StepLog stepLog_;
   at::Tensor lastLoss_;  // the last micro-batch's loss, kept on rank 0 for the log line
-  CheckpointClock clock_;
 };
 
 } // namespace zeroshard

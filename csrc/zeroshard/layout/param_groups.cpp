@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -65,6 +67,25 @@ void checkParamGroups(const std::vector<ParamGroupSpec>& groups) {
   }
   TORCH_CHECK(trainable > 0, "zeroshard: the model has no trainable parameters (none requires grad), "
                              "so there is nothing to shard or optimize");
+}
+
+bool paramsOnMeta(const std::vector<ParamGroupSpec>& groups) {
+  std::optional<std::string> meta, real;
+  std::string realDevice;
+  for (const auto& g : groups) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      if (!g.params[i].defined()) continue;
+      if (g.params[i].is_meta()) {
+        if (!meta) meta = g.names[i];
+      } else if (!real) {
+        real = g.names[i];
+        realDevice = g.params[i].device().str();
+      }
+    }
+  }
+  TORCH_CHECK(!(meta && real), "zeroshard: parameter '", *meta, "' is on the meta device but '", *real, "' is on ",
+              realDevice, "; build the whole model on the meta device, or none of it");
+  return meta.has_value();
 }
 
 std::string deviceOfParamGroups(const std::vector<ParamGroupSpec>& groups) {

@@ -36,6 +36,9 @@ void checkParamGroups(const std::vector<ParamGroupSpec>& groups);
 
 // Where the model's states live: the device of its parameters ("cpu" when there are none).
 std::string deviceOfParamGroups(const std::vector<ParamGroupSpec>& groups);
+// Whether the parameters are on the meta device: all of them (the engine then allocates on
+// MetaInit::device), or none; a mix is an error naming one of each.
+bool paramsOnMeta(const std::vector<ParamGroupSpec>& groups);
 
 // Stages 0-2: each group's parameters in buckets of at least `capacity` elements (the last of a
 // group may be smaller), filled in reverse parameter order, the order backward usually

@@ -9,11 +9,10 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "zeroshard/layout/bucket.h"
-#include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/deferred_skip.h"
 #include "zeroshard/optim/loss_scaler.h"
 #include "zeroshard/optim/lr_schedule.h"
+#include "zeroshard/optim/stepped_state.h"
 
 #include <cstdint>
 #include <optional>
@@ -24,26 +23,8 @@
 namespace zeroshard {
 
 class Communicator;
-class GradStorage;
-class MasterWeights;
-class ParamStorage;
 class ShardedAdamW;
-class ShardingPlan;
 struct Config;
-
-// What a step reads and writes of the model state, lent for one call (ModelState::stepped() in
-// state/model_state.h, which owns all of it).
-struct SteppedState {
-  const ShardingPlan& plan;
-  ShardedAdamW& optimizer;
-  MasterWeights& masters;
-  const std::vector<Bucket>& buckets;
-  const std::vector<std::vector<OptimizerSlot>>& slots;
-  GradStorage& grads;
-  ParamStorage& params;
-
-  at::Device device() const { return buckets.front().flatParams().device(); }
-};
 
 class OptimizerStep {
  public:

@@ -34,11 +34,8 @@ ModelState::ModelState(ModelInputs model, const Config& config, const ShardingPl
   checkParamGroups(model.groups);
   Communicator& shardComm = groups.shard();
   const int shards = shardComm.worldSize();
-  bool onMeta = false;
-  for (const auto& g : model.groups) {
-    for (const auto& p : g.params) onMeta = onMeta || (p.defined() && p.is_meta());
-  }
-  const std::optional<at::Device> metaDevice = onMeta ? std::optional(model.init.device) : std::nullopt;
+  const std::optional<at::Device> metaDevice =
+      paramsOnMeta(model.groups) ? std::optional(model.init.device) : std::nullopt;
   std::vector<UnitPolicy> policies;
   std::vector<UnitBuffers> unitBuffers;
   if (plan_.paramsSharded()) {

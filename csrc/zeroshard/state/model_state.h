@@ -18,7 +18,7 @@
 #include "zeroshard/optim/bucket_slots.h"
 #include "zeroshard/optim/master_weights.h"
 #include "zeroshard/optim/optimizer.h"
-#include "zeroshard/optim/optimizer_step.h"
+#include "zeroshard/optim/stepped_state.h"
 #include "zeroshard/plan/sharding_plan.h"
 #include "zeroshard/stage3/unit_builder.h"
 #include "zeroshard/state/memory_stats.h"
@@ -125,7 +125,7 @@ class ModelState {
   // for the call unless it was). Collective.
   void withFrozenWhole(size_t frozenBucket, const std::function<void()>& use);
 
-  // Module state (checkpoint/module_state.h): checked against the buckets, then kept.
+  // Module state (module_state.h): checked against the buckets, then kept.
   void setModuleState(ModuleState state);
   // Every rank takes rank 0's module state (uncounted broadcasts over `world`).
   void broadcastModuleState(Communicator& world);

@@ -1,9 +1,7 @@
 #include "zeroshard/state/module_inputs.h"
 
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
-
 
 #include <unordered_map>
 #include <unordered_set>

@@ -1,5 +1,5 @@
 // Checkpoints on a clock and the batch guard from C++ (csrc/zeroshard/engine/engine.cpp,
-// checkpoint/checkpoint_clock.cpp, checkpoint/engine_checkpoint.cpp), over the one-rank Gloo group
+// checkpoint/checkpoint_clock.cpp, checkpoint/engine_checkpoint_load.cpp), over the one-rank Gloo group
 // in this process; at 2 ranks
 // (rank 0's clock deciding for both) and through Python: tests/python/test_clock_and_batch.py.
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds zeroshard against a CUDA build of torch on a machine without a GPU, to find build
 # breaks before a GPU machine's time is spent on them: the NCCL code (process_group.cpp), the
-# torch-version branches (communicator.cpp, checkpoint/checkpoint_clock.cpp) and gpu_check.sh's configure
+# torch-version branches (communicator.cpp) and gpu_check.sh's configure
 # phase, which is the one run here. Nothing is installed: the torch wheel (with its CMake
 # package, headers and libraries) and the headers of the nvidia-* wheels it depends on are
 # downloaded (--no-deps, about 1 GB) and unpacked into a cache laid out as that machine's

@@ -14,7 +14,10 @@
 #include "zeroshard/checkpoint/safetensors.h"
 #include "zeroshard/comm/agreement.h"
 #include "zeroshard/comm/communicator.h"
+#include "zeroshard/comm/engine_groups.h"
 #include "zeroshard/comm/gather_values.h"
+#include "zeroshard/optim/optimizer_step.h"
+#include "zeroshard/state/model_state.h"
 
 #include <algorithm>
 #include <chrono>
@@ -141,6 +144,27 @@ CheckpointManifest manifestOf(const CheckpointedState& s, const std::string& tag
 }
 
 } // namespace
+
+CheckpointedState checkpointedState(const Config& config, const BatchSizes& batch, EngineGroups& groups,
+                                    ModelState& model, OptimizerStep& step, AccumulationWindow& window) {
+  return {config,
+          model.plan(),
+          groups.world(),
+          model.computeDtype(),
+          model.buckets(),
+          model.slots(),
+          model.optimizer(),
+          step.scaler(),
+          model.moduleState(),
+          model.frozenBuckets(),
+          [&model](size_t frozenBucket, const std::function<void()>& use) { model.withFrozenWhole(frozenBucket, use); },
+          window,
+          step.skippedSteps(),
+          step.schedule(),
+          groups.shard().rank(),
+          groups.shard().worldSize(),
+          batch};
+}
 
 std::string saveCheckpoint(CheckpointedState s, const std::string& dir, const std::string& tagIn,
                            const std::string& clientState, const std::string& rankError, bool excludeFrozen) {

@@ -105,7 +105,7 @@ std::optional<std::string> batchChange(const CheckpointManifest& m, const BatchS
 std::string saveCheckpoint(CheckpointedState state, const std::string& dir, const std::string& tag,
                            const std::string& clientState, const std::string& rankError,
                            bool excludeFrozen = false);
-// The view of an engine's parts that one save or load takes (checkpointed_state.cpp): the
+// The view of an engine's parts that one save or load takes (engine_checkpoint.cpp): the
 // model state's buffers, the optimizer step's loss scale, schedule and skipped steps, the
 // window's counters, and the shard group's place.
 CheckpointedState checkpointedState(const Config& config, const BatchSizes& batch, EngineGroups& groups,

@@ -19,12 +19,19 @@ namespace zeroshard {
 constexpr size_t kNumKinds = std::size(kStateKinds);
 
 // One parameter shard's state tensor of kind `kind` (an index into kStateKinds).
-at::Tensor kindOf(const ShardedAdamW::ShardState& state, size_t kind);
+inline at::Tensor kindOf(const ShardedAdamW::ShardState& state, size_t kind) {
+  return kind == 0 ? state.master : kind == 1 ? state.expAvg : state.expAvgSq;
+}
 
 // The device of the engine's buffers, where the agreements' collectives run.
-c10::Device deviceOf(const CheckpointedState& s);
+inline c10::Device deviceOf(const CheckpointedState& s) {
+  return s.buckets.front().flatParams().device();
+}
 
 // The range of a bucket's flat buffer this rank holds master weights and AdamW state for.
-ShardRange heldRange(const CheckpointedState& s, size_t bucket);
+inline ShardRange heldRange(const CheckpointedState& s, size_t bucket) {
+  const auto& layout = s.buckets[bucket].layout();
+  return s.plan.optimizerSharded() ? layout.shardRange(s.shardRank) : ShardRange{0, layout.paddedNumel()};
+}
 
 } // namespace zeroshard

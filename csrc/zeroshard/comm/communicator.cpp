@@ -5,8 +5,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 namespace zeroshard {
 
@@ -180,6 +182,18 @@ std::function<void()> scaleAfter(const at::Tensor& t, double scale) {
 
 std::chrono::milliseconds Communicator::hostWaitTimeout(const at::Tensor& tensor) const {
   return tensor.device().is_cpu() ? timeout_ : std::chrono::milliseconds(0);  // Note [stream-ordered wait]
+}
+
+// torch 2.13 asks the group directly; 2.11 has no hasBackendForDeviceType, but its
+// getDeviceTypes() lists the same set: setBackend records each device type in both, so the two
+// answers agree.
+bool Communicator::hasCpuBackend() const {
+#if ZEROSHARD_TORCH_VERSION_MAJOR > 2 || ZEROSHARD_TORCH_VERSION_MINOR >= 13
+  return group_->hasBackendForDeviceType(c10::DeviceType::CPU);
+#else
+  const std::vector<c10::Device> types = group_->getDeviceTypes();
+  return std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); });
+#endif
 }
 
 CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& flat) {

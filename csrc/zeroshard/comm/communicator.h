@@ -110,6 +110,8 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return timeout_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
   std::string backendName() const;
+  // Whether the group can run a collective on CPU tensors (Gloo, or Gloo beside NCCL).
+  bool hasCpuBackend() const;
 
   // flat[r*S, (r+1)*S) = shard of rank r, S = shard.numel(). Non-blocking.
   CommHandle allGather(const at::Tensor& shard, const at::Tensor& flat);

@@ -22,8 +22,9 @@ from zeroshard.peers import names_missing_ranks
 class Engine:
     """Runs the model and its ZeRO-sharded training step (see zeroshard.initialize)."""
 
-    def __init__(self, module, core, config, hooks=(), trained=None, optimizer=None, lr_scheduler=None):
+    def __init__(self, module, core, config, hooks=(), trained=None, optimizer=None, lr_scheduler=None, units=None):
         self.module = module
+        self._units = units  # stage 3's [(name, module)]; None below stage 3
         self.config = config
         self._core = core
         self._hooks = list(hooks)
@@ -44,7 +45,9 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._core.begin_forward()  # wall_clock_breakdown's forward time
         try:
-            return self.module(*args, **kwargs)
+            # The forward's span in a torch.profiler trace (Note [profiler names], engine.cpp).
+            with torch.profiler.record_function("zeroshard::forward"):
+                return self.module(*args, **kwargs)
         finally:
             self._core.end_forward()
 
@@ -109,6 +112,19 @@ class Engine:
         themselves; call it after the last step of a run that ends without any of them. Every
         rank calls it; it waits for the last step on the device."""
         self._core.check_last_step()
+
+    def compile(self, backend="inductor", **compile_kwargs):
+        """Compiles each unit's forward in place with torch.compile(backend=backend,
+        **compile_kwargs), at any stage; zeroshard's hooks (stage 3's gathers and releases, the
+        gradient reductions) stay outside the graphs and run as they do eagerly (Note [hooks
+        outside the graphs], zeroshard/compiled.py). The units are stage 3's (below stage 3 found
+        by the same rule: zeroshard.stage3_unit_classes, or the children of the largest
+        nn.ModuleList; a model with none is compiled whole). Call it once, after initialize,
+        on every rank; the first step compiles. Returns the names of the compiled modules."""
+        from zeroshard import compiled
+
+        units = compiled.units_of(self._units, self.module, self.config.zeroshard.stage3_unit_classes)
+        return compiled.compile_units(self.module, units, backend, **compile_kwargs)
 
     @contextlib.contextmanager
     def gathered_parameters(self):

@@ -85,6 +85,7 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
         steps = _meta.init_steps(model, groups, device, init_fn, frozen if cfg.params_sharded else None)
         meta_init = dict(init_device=str(device), init_steps=steps)
     hooks = []
+    units = None  # stage 3's, for Engine.compile
     if cfg.bf16_enabled or cfg.fp16_enabled:
         # The parameters become 16-bit; floating-point inputs are cast to match, as FSDP's
         # MixedPrecisionPolicy does. Buffers keep their dtype.
@@ -108,7 +109,7 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
                             f"taking the optimizer, not {type(lr_scheduler).__name__}")
         lr_scheduler = lr_scheduler(optimizer)
     wire_logging(core)
-    engine = Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler)
+    engine = Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler, units)
     if lr_scheduler is None and cfg.scheduler.enabled:
         engine.lr_scheduler = ConfigSchedule(core)  # stepped in C++, shown as DeepSpeed's object
     return engine

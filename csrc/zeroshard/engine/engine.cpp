@@ -1,5 +1,6 @@
 #include "zeroshard/engine/engine.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -83,6 +84,13 @@ void Engine::backward(const at::Tensor& loss, bool scaleByAccumulation) {
               loss.defined() ? loss.sizes() : c10::IntArrayRef{});
   TORCH_CHECK(!window_.awaitingStep(), "zeroshard: engine.backward() called twice without engine.step() between; "
                                       "call engine.step() after every backward, as with DeepSpeed");
+  // Note [profiler names]: the engine's phases appear in a torch.profiler trace under
+  // "zeroshard::" names: forward (python/zeroshard/engine.py), backward and step here,
+  // optimizer_step (OptimizerStep::take), reduce_bucket (a bucket's reduction launched,
+  // GradReducer), gather_params (stages 1-2's all-gather after the step, ReplicatedParams),
+  // gather_unit / wait_unit / release_unit (stage 3, UnitScheduler); the collectives
+  // themselves are c10d's own events. benchmarks/profile_step.py writes such a trace.
+  RECORD_USER_SCOPE("zeroshard::backward");
   const TimedPhase timed(stepLog_, StepPhase::kBackward);
   if (stepLog_.prints()) lastLoss_ = loss.detach();
   const int64_t accumulation = scaleByAccumulation ? batchSizes_.accumulationSteps : 1;
@@ -112,6 +120,7 @@ bool Engine::step() {
   if (!window_.finishMicroStep()) return false;
   bool taken = false;
   {
+    RECORD_USER_SCOPE("zeroshard::step");
     const TimedPhase timed(stepLog_, StepPhase::kStep);
     taken = step_.take(state_.stepped(), groups_.shard(), window_.boundaries());
     groups_.recordStep();

@@ -1,5 +1,6 @@
 #include "zeroshard/grad/grad_reducer.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -159,6 +160,7 @@ void GradReducer::retireAll() {
 }
 
 void GradReducer::launch(size_t bucket) {
+  RECORD_USER_SCOPE("zeroshard::reduce_bucket");  // Note [profiler names]
   retireCompleted();
   while (static_cast<int64_t>(inFlight_.size()) >= options_.maxInFlight) retireOldest();
   launched_[bucket] = 1;

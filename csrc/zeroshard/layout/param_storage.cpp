@@ -1,10 +1,12 @@
 #include "zeroshard/layout/param_storage.h"
 
+#include <ATen/record_function.h>
 #include <algorithm>
 
 namespace zeroshard {
 
 void ReplicatedParams::afterStep() {
+  RECORD_USER_SCOPE("zeroshard::gather_params");  // Note [profiler names]
   // Every bucket's gather is started before any is waited for.
   for (size_t b = 0; b < buckets_.size(); ++b) afterStepOf(b);
   finishAfterStep();

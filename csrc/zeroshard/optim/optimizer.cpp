@@ -1,6 +1,7 @@
 #include "zeroshard/optim/optimizer.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/linalg_vector_norm.h>
@@ -187,8 +188,11 @@ void ShardedAdamW::stepShards(const std::vector<ShardRef>& shards) {
     }
     if (mine.empty()) continue;
     const auto& hp = g.hyper;
-    // The fused kernel reads the step it is given; torch.optim increments it first too.
-    for (size_t i : mine) g.steps[i].add_(1);
+    // The fused kernel reads the step it is given; torch.optim increments it first too (one
+    // foreach call for the group's shards, as torch.optim's fused AdamW does).
+    std::vector<at::Tensor> stepsOfMine;
+    for (size_t i : mine) stepsOfMine.push_back(g.steps[i]);
+    at::_foreach_add_(stepsOfMine, 1);
     std::optional<at::Tensor> found;
     if (foundInf_.defined()) found = foundInf_;
     // fp32 gradients: one call per device over the shards there.

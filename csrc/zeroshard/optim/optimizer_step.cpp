@@ -1,5 +1,6 @@
 #include "zeroshard/optim/optimizer_step.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include "zeroshard/comm/communicator.h"
@@ -33,6 +34,7 @@ OptimizerStep::OptimizerStep(const Config& config, const SteppedState& state, in
 }
 
 bool OptimizerStep::take(const SteppedState& state, Communicator& shardComm, int64_t boundary) {
+  RECORD_USER_SCOPE("zeroshard::optimizer_step");  // Note [profiler names]
   ShardedAdamW& optimizer = state.optimizer;
   const ShardingPlan& plan = state.plan;
   state.grads.finishCopies();

@@ -1,5 +1,6 @@
 #include "zeroshard/stage3/unit_scheduler.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
@@ -117,6 +118,7 @@ const std::string& UnitScheduler::nameOf(size_t unit) const {
 // they would be waited for immediately anyway. On CPUs there are no streams; nothing changes.
 void UnitScheduler::startUnshard(size_t u, bool ahead) {
   if (states_[u] != UnitState::kSharded) return;
+  RECORD_USER_SCOPE("zeroshard::gather_unit");  // Note [profiler names]
   const auto device = buffers_[u].front()->flatParams().device();
   std::optional<c10::StreamGuard> onGatherStream;
   if (ahead && gatherStream_ && !device.is_cpu() && passStart_) {
@@ -153,6 +155,7 @@ void waitForGather(CommHandle& handle, const Bucket& buffer, size_t u, size_t un
 void UnitScheduler::unshard(size_t u) {
   startUnshard(u);
   if (states_[u] == UnitState::kGathering) {
+    RECORD_USER_SCOPE("zeroshard::wait_unit");
     auto handles = std::move(pending_[u]);
     pending_[u].clear();
     for (size_t i = 0; i < handles.size(); ++i) {
@@ -199,6 +202,7 @@ void UnitScheduler::reshard(size_t u, bool keepSecondary) {
   if (!keepSecondary) dropSecondaryShard(u);
   if (policies_[u].keepGathered || states_[u] == UnitState::kSharded) return;
   if (states_[u] == UnitState::kGathering) unshard(u);  // never free memory a collective writes
+  RECORD_USER_SCOPE("zeroshard::release_unit");
   if (keepSecondary) keepSecondaryShard(u);
   orderAllocationAfterUse(u);
   for (Bucket* buffer : buffers_[u]) {

@@ -262,6 +262,27 @@ class DeepSpeedEngine(torch.nn.Module):
         stage3_gather_fp16_weights_on_model_save); False when not set."""
         return self._engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
+    def compile(self, backend="inductor", compile_kwargs=None, schedule=None, compiled_autograd_enabled=False):
+        """DeepSpeed's engine.compile: each unit's forward compiled in place with
+        torch.compile(backend=backend, **compile_kwargs), zeroshard's hooks outside the graphs
+        (zeroshard.Engine.compile). DeepCompile's `schedule` (its compiler passes over ZeRO-3)
+        and compiled autograd are not implemented: passing them is an error, not a silent
+        eager run."""
+        if schedule is not None:
+            raise NotImplementedError("zeroshard.deepspeed: engine.compile(schedule=...) is DeepCompile's pass "
+                                      "schedule, which zeroshard does not implement; call compile() without it "
+                                      "(each unit's forward is compiled, the sharding stays zeroshard's)")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("zeroshard.deepspeed: engine.compile(compiled_autograd_enabled=True) is not "
+                                      "implemented: the backward's hooks (reductions, stage 3's gathers) run "
+                                      "eagerly around each unit's compiled backward")
+        self._engine.compile(backend=backend, **(compile_kwargs or {}))
+
+    @property
+    def is_compiled(self):
+        """DeepSpeed's: whether compile() was called."""
+        return any(getattr(m, "_zeroshard_compiled", False) for m in self._engine.module.modules())
+
     def destroy(self):
         """DeepSpeed's: releases the engine. The hooks zeroshard put on the model are removed and the
         zeroshard engine with its sharded state is freed (zeroshard.Engine.destroy); any later call

@@ -1,0 +1,44 @@
+"""Compiled units: each unit's forward compiled in place with torch.compile, zeroshard's hooks
+outside the graphs (Engine.compile, docs/compile.md).
+
+Note [hooks outside the graphs]: a unit is compiled by replacing its `forward` with the
+torch.compile of it, on the instance, rather than by nn.Module.compile(), which compiles
+_call_impl and so traces the forward hooks too. zeroshard's module hooks (stage 3's gather
+before a unit's forward, its release after, the registration of its backward hooks on the
+outputs; the bf16/fp16 input cast on the model) call into C++ and must run as they do eagerly,
+at their place between units: they stay in the module's eager _call_impl around the compiled
+forward, and the gradient hooks (the reductions, stage 3's gathers before a unit's backward)
+are autograd hooks on parameters and outputs, which fire around the compiled backward as
+around an eager one. The units are those stage 3 gathers one by one (found by the same rule
+below stage 3: zeroshard.stage3_unit_classes, or the children of the largest nn.ModuleList);
+a model with none is compiled whole. Every unit of one class shares one compiled graph:
+dynamo's guards treat the parameters as inputs, so the units' different parameters (and stage
+3's gathered storage) do not recompile.
+"""
+
+import torch
+
+from zeroshard import stage3
+
+
+def compile_units(model, units, backend="inductor", **compile_kwargs):
+    """Compiles the forward of each of `units` ([(name, module)]; the model itself when empty) in
+    place. Returns the names compiled ("" for the model). A unit compiled before is an error: a
+    second compile would compile the compiled function."""
+    targets = units or [("", model)]
+    for name, module in targets:
+        if getattr(module, "_zeroshard_compiled", False):
+            raise RuntimeError(f"zeroshard: engine.compile(): unit '{name or '<model>'}' is compiled already; "
+                               "compile once, after initialize")
+    for name, module in targets:
+        # Note [hooks outside the graphs]: the instance's forward, not nn.Module.compile().
+        module.forward = torch.compile(module.forward, backend=backend, **compile_kwargs)
+        module._zeroshard_compiled = True
+    return [name for name, _ in targets]
+
+
+def units_of(engine_units, model, class_names):
+    """The units to compile: stage 3's own, else the same rule's (stage3.find_units)."""
+    if engine_units is not None:
+        return engine_units
+    return stage3.find_units(model, class_names)

@@ -1,0 +1,61 @@
+"""engine.compile() (python/zeroshard/compiled.py): each unit's forward compiled in place with
+inductor, zeroshard's hooks outside the graphs, at stages 0-3 on 2 Gloo ranks. Every stage runs
+eagerly and compiled in one spawned pair of processes (spawn.SharedRuns)."""
+
+import pytest
+
+from compile_runs import STEPS, compiled_and_eager, deepspeed_compile
+from spawn import SharedRuns
+
+WORLD = 2
+STAGES = (0, 1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {f"stage{s}": (compiled_and_eager, s) for s in STAGES}
+    cases["deepspeed"] = (deepspeed_compile,)
+    return SharedRuns({WORLD: cases}, timeout=900)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compiled_units_train_as_eager_within_1e5(runs, stage):
+    for rank, result in enumerate(runs.result(WORLD, f"stage{stage}")):
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["names"] == ["blocks.0", "blocks.1"], f"rank {rank}: compiled {compiled['names']}"
+        assert len(compiled["losses"]) == STEPS
+        for step, (a, b) in enumerate(zip(eager["losses"], compiled["losses"])):
+            assert abs(a - b) <= 1e-5, f"stage {stage} rank {rank} step {step}: eager {a} compiled {b}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_recompilation_after_the_first_step(runs, stage):
+    for rank, result in enumerate(runs.result(WORLD, f"stage{stage}")):
+        graphs = result["compiled"]["graphs"]
+        # The first step compiled (dynamo's count starts from zero for each compiled run), and
+        # the steps after it ran the same graphs.
+        assert graphs[0] > 0, f"stage {stage} rank {rank}: nothing was compiled"
+        assert graphs[-1] == graphs[0], f"stage {stage} rank {rank}: unique graphs by step {graphs}"
+        # The eager run compiled nothing (its counts are those of the runs before it).
+        assert result["eager"]["graphs"][0] == result["eager"]["graphs"][-1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compiled_units_keep_the_memory_and_traffic_of_eager(runs, stage):
+    for rank, result in enumerate(runs.result(WORLD, f"stage{stage}")):
+        eager, compiled = result["eager"], result["compiled"]
+        # The same gathers and releases (stage 3's gathered peak), the same buffers, the same
+        # collectives: the hooks ran as they do eagerly.
+        assert compiled["memory"] == eager["memory"], f"stage {stage} rank {rank}"
+        assert compiled["comm"] == eager["comm"], f"stage {stage} rank {rank}"
+        if stage == 3:
+            assert compiled["released"] and all(compiled["released"]), "stage-3 units not released after use"
+            assert eager["released"] == compiled["released"]
+
+
+def test_deepspeed_engine_compile_trains_as_eager_and_refuses_deepcompile(runs):
+    for rank, result in enumerate(runs.result(WORLD, "deepspeed")):
+        assert result["is_compiled"] and not result["eager_is_compiled"]
+        for step, (a, b) in enumerate(zip(result["eager"], result["compiled"])):
+            assert abs(a - b) <= 1e-5, f"rank {rank} step {step}: eager {a} compiled {b}"
+        assert "DeepCompile" in result["schedule_error"], result["schedule_error"]

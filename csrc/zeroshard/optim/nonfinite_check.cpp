@@ -1,14 +1,15 @@
 // zeroshard.nonfinite: fp32 and bf16 gradients with an inf or NaN (fp16's loss scaler handles
-// its own). The check reads the squared global norm the step computes for clipping anyway (one
-// host read a step; without clipping one more pass over the gradient shards): it is finite
-// exactly when every gradient is. Only then, on the rare bad step, a second pass finds the
+// its own). The check reads one value a step that is finite exactly when every gradient is
+// (Note [finite probe], optimizer_step.cpp): the squared global norm the step computes for
+// clipping anyway, or without clipping the gradients' sum (one more read of the gradient
+// shards); one host read a step. Only then, on the rare bad step, a second pass finds the
 // first parameter whose gradient is not finite, over every rank's shards, in the order of the
 // flat buffers (the model's at stages 0-2; at stage 3 the units', the root unit's last).
 //
 // Note [deferred nonfinite check]: on a GPU that host read is a synchronisation per step, so
 // where the gradients are on one (zeroshard.nonfinite_check "auto", or "deferred" anywhere)
-// the device decides instead: the flag "the squared global norm is not finite" is computed on
-// the device from globalGradSquares() (reduced over the shard group, so every rank holds the
+// the device decides instead: the flag "the probe is not finite" is computed on the device
+// from finiteProbe() (reduced over the shard group, so every rank holds the
 // same flag and skips alike, without a collective of its own) and given to the fused AdamW
 // kernel as found_inf, which then leaves weights and moments untouched; the step tensors take
 // back their increment on the device (ShardedAdamW::step). Master weights pushed into 16-bit
@@ -44,7 +45,7 @@
 namespace zeroshard {
 
 bool OptimizerStep::gradsFinite(const SteppedState& state, Communicator& shardComm, int64_t boundary) {
-  if (std::isfinite(globalGradSquares(state, shardComm).item<double>())) return true;
+  if (std::isfinite(finiteProbe(state, shardComm).item<double>())) return true;
   const std::vector<Bucket>& buckets = state.buckets;
   const ShardingPlan& plan = state.plan;
   // This rank's first parameter (by index over all buckets, in buffer order) holding a non-finite
@@ -92,6 +93,7 @@ bool OptimizerStep::gradsFinite(const SteppedState& state, Communicator& shardCo
   state.optimizer.discardPrepared();
   state.grads.zero();
   stepSquares_ = at::Tensor();
+  stepSum_ = at::Tensor();
   TORCH_CHECK(false, what, ". Nothing was updated. zeroshard.nonfinite \"skip\" skips such steps instead, as "
                            "fp16's loss scaling does; lower the learning rate or clip (gradient_clipping) if it "
                            "recurs");
@@ -120,7 +122,7 @@ bool OptimizerStep::decideDeferred(const SteppedState& state) const {
 
 at::Tensor OptimizerStep::nonfiniteOnDevice(const SteppedState& state, Communicator& shardComm) {
   // 0-dim float, 0 or 1 (the kernel skips at exactly 1): no host read.
-  return at::isfinite(globalGradSquares(state, shardComm)).logical_not().to(at::kFloat);
+  return at::isfinite(finiteProbe(state, shardComm)).logical_not().to(at::kFloat);
 }
 
 void OptimizerStep::settle(const SteppedState& state, int64_t boundary, const std::optional<std::string>& where) {
@@ -139,6 +141,7 @@ void OptimizerStep::settle(const SteppedState& state, int64_t boundary, const st
   const std::string dropped = where ? "" : ", whose gradients are dropped too";
   state.grads.zero();
   stepSquares_ = at::Tensor();
+  stepSum_ = at::Tensor();
   TORCH_CHECK(false, what, " (", found, dropped, "). zeroshard.nonfinite \"skip\" skips such steps instead, as fp16's loss "
               "scaling does; lower the learning rate or clip (gradient_clipping) if it recurs. "
               "zeroshard.nonfinite_check \"immediate\" stops at the step itself and names the first parameter "

@@ -5,6 +5,7 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
@@ -144,6 +145,17 @@ at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
       auto grad = fp32Grad(g, i);
       sum.add_(at::linalg_vector_norm(grad, 2).to(at::kDouble).square().to(device));
       if (converted) dropConverted(grad);
+    }
+  }
+  return sum;
+}
+
+at::Tensor ShardedAdamW::localGradSum(const at::Device& device) {
+  at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (auto& g : groups_) {
+    for (size_t i = 0; i < g.grads.size(); ++i) {
+      const at::Tensor& grad = i < g.prepared.size() && g.prepared[i].defined() ? g.prepared[i] : g.grads[i];
+      sum.add_(at::sum(grad, at::kFloat).to(at::kDouble).to(device));
     }
   }
   return sum;

@@ -44,6 +44,11 @@ class ShardedAdamW {
   // Sum of squares of every gradient on this rank: a 0-dim double tensor on `device` (computed
   // there, no host synchronisation, no copy of an fp32 gradient).
   at::Tensor localGradSquareSum(const at::Device& device);
+  // Sum of every gradient element on this rank, each shard summed in fp32 (16-bit ones read as
+  // they are, without a converted copy): a 0-dim double tensor on `device`, finite exactly when
+  // every element is, barring an overflow of the sum itself (Note [finite probe],
+  // optimizer_step.cpp). No host synchronisation.
+  at::Tensor localGradSum(const at::Device& device);
   // Gradients *= factor (clipping).
   // `factor` is a 0-dim tensor on the gradients' device (no host synchronisation).
   void scaleGrads(const at::Tensor& factor);

@@ -73,6 +73,8 @@ class OptimizerStep {
  private:
   void stepBucketByBucket(const SteppedState& state);
   const at::Tensor& globalGradSquares(const SteppedState& state, Communicator& shardComm);
+  // What the nonfinite check reads: the squares with clipping, else the gradients' sum.
+  const at::Tensor& finiteProbe(const SteppedState& state, Communicator& shardComm);
   void clipGradients(const SteppedState& state, Communicator& shardComm);
   bool overflowed(const SteppedState& state, Communicator& shardComm);
   bool skip(const SteppedState& state);
@@ -94,6 +96,7 @@ class OptimizerStep {
   int64_t skippedSteps_ = 0;
   at::Tensor lastGradNorm_;  // 0-dim, on the parameters' device
   at::Tensor stepSquares_;   // this step's globalGradSquares(), until finish()
+  at::Tensor stepSum_;       // this step's finiteProbe() without clipping, until finish()
   bool deferred_ = false;    // defersNonfiniteCheck()
   DeferredSkip deferredSkip_;  // the last step's flag, until settle()
 };

@@ -183,7 +183,15 @@ std::function<void()> scaleAfter(const at::Tensor& t, double scale) {
 // or by one copy on the current stream, without the backend: counted as the collective it
 // stands for, with nothing to wait for, and bitwise what the backend would return. A 1-rank
 // engine's step then costs its arithmetic only (an all-gather of a bucket onto itself was a copy
-// of the whole bucket), and a hybrid or hpZ group of one rank costs nothing.
+// of the whole bucket), and a hybrid or hpZ group of one rank costs nothing. On a device it
+// applies only where nothing is to be done (the result in place already, no scaling): a copy
+// queued here would be ordered on the launching stream, where a collective's wait orders the
+// waiting one (stage 3 launches prefetched gathers from a side stream), so those calls go to the
+// backend.
+bool doneLocally(const at::Tensor& out, const at::Tensor& in, double scale) {
+  return out.device().is_cpu() || (out.data_ptr() == in.data_ptr() && scale == 1.0);
+}
+
 CommHandle localResult(const at::Tensor& out, const at::Tensor& in, double scale) {
   if (out.data_ptr() != in.data_ptr()) out.copy_(in);
   if (scale != 1.0) out.mul_(scale);
@@ -211,7 +219,7 @@ bool Communicator::hasCpuBackend() const {
 CommHandle Communicator::allGather(const at::Tensor& shard, const at::Tensor& flat) {
   checkShardPair("all_gather", shard, flat, worldSize_);
   stats_.record(CollectiveKind::kAllGather, static_cast<int64_t>(flat.nbytes()));
-  if (worldSize_ == 1) return localResult(flat, shard, 1.0);
+  if (worldSize_ == 1 && doneLocally(flat, shard, 1.0)) return localResult(flat, shard, 1.0);
   at::Tensor in = shard;
   at::Tensor out = flat;
   c10d::AllgatherOptions opts;
@@ -238,7 +246,9 @@ CommHandle Communicator::allGatherPieces(const at::Tensor& piece, const std::vec
   }
   const auto bytes = static_cast<int64_t>(piece.nbytes()) * worldSize_;
   stats_.record(CollectiveKind::kAllGather, bytes);
-  if (worldSize_ == 1) return localResult(pieces.front(), piece, 1.0);
+  if (worldSize_ == 1 && doneLocally(pieces.front(), piece, 1.0)) {
+    return localResult(pieces.front(), piece, 1.0);
+  }
   std::vector<std::vector<at::Tensor>> outputs{pieces};
   std::vector<at::Tensor> inputs{piece};
   c10d::AllgatherOptions opts;
@@ -253,7 +263,7 @@ CommHandle Communicator::allGatherPieces(const at::Tensor& piece, const std::vec
 CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor& shard, double scale) {
   checkShardPair("reduce_scatter", shard, flat, worldSize_);
   stats_.record(CollectiveKind::kReduceScatter, static_cast<int64_t>(flat.nbytes()));
-  if (worldSize_ == 1) return localResult(shard, flat, scale);
+  if (worldSize_ == 1 && doneLocally(shard, flat, scale)) return localResult(shard, flat, scale);
   at::Tensor in = flat;
   at::Tensor out = shard;
   c10d::ReduceScatterOptions opts;
@@ -271,7 +281,7 @@ CommHandle Communicator::reduceScatter(const at::Tensor& flat, const at::Tensor&
 CommHandle Communicator::allReduce(const at::Tensor& tensor, double scale) {
   checkBuffer("all_reduce", "input", tensor);
   stats_.record(CollectiveKind::kAllReduce, static_cast<int64_t>(tensor.nbytes()));
-  if (worldSize_ == 1) return localResult(tensor, tensor, scale);
+  if (worldSize_ == 1 && doneLocally(tensor, tensor, scale)) return localResult(tensor, tensor, scale);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
@@ -286,7 +296,7 @@ CommHandle Communicator::broadcast(const at::Tensor& tensor, int root) {
   TORCH_CHECK(root >= 0 && root < worldSize_, "zeroshard: broadcast: root rank ", root,
               " is outside the group of ", worldSize_, " ranks");
   stats_.record(CollectiveKind::kBroadcast, static_cast<int64_t>(tensor.nbytes()));
-  if (worldSize_ == 1) return localResult(tensor, tensor, 1.0);
+  if (worldSize_ == 1 && doneLocally(tensor, tensor, 1.0)) return localResult(tensor, tensor, 1.0);
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;

@@ -21,6 +21,9 @@ class GradStorageDecorator : public GradStorage {
     boundary_ = boundary;
     inner_->beginBackward(bucket, index, boundary);
   }
+  at::Tensor gradArriving(const Bucket& bucket, size_t index, size_t param, const at::Tensor& grad) override {
+    return inner_->gradArriving(bucket, index, param, grad);
+  }
   void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& transient) override {
     inner_->gradReady(bucket, index, param, transient);
   }

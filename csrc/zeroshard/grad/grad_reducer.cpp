@@ -29,6 +29,23 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   size_t param_;
 };
 
+// Runs before AccumulateGrad: the storage may hand it another tensor to accumulate (Note [first
+// gradient of a window], grad_storage.cpp).
+class GradArrivingHook : public torch::autograd::FunctionPreHook {
+ public:
+  GradArrivingHook(GradReducer* reducer, size_t bucket, size_t param)
+      : reducer_(reducer), bucket_(bucket), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (grads.size() != 1 || !grads[0].defined()) return grads;
+    return {reducer_->onGradArriving(bucket_, param_, grads[0])};
+  }
+
+ private:
+  GradReducer* reducer_;
+  size_t bucket_;
+  size_t param_;
+};
+
 using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 } // namespace
@@ -38,6 +55,7 @@ using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::dec
 struct GradReducer::HookHandle {
   AccumulatorPtr accumulator;
   uintptr_t key;
+  const torch::autograd::FunctionPreHook* preHook;  // nullptr: none registered
 };
 
 GradReducer::GradReducer(const std::vector<Bucket>& buckets, GradStorage& grads, Communicator& comm,
@@ -64,7 +82,13 @@ void GradReducer::registerHooks() {
       TORCH_CHECK(accumulator, "zeroshard: parameter '", buckets_[b].layout().params()[i].name,
                   "' has no gradient accumulator (is it a leaf that requires grad?)");
       auto key = accumulator->add_post_hook(std::make_unique<GradReadyHook>(this, b, i));
-      hooks_.push_back(std::make_unique<HookHandle>(HookHandle{std::move(accumulator), key}));
+      const torch::autograd::FunctionPreHook* preHook = nullptr;
+      if (grads_.accumulatesInPlace()) {
+        auto hook = std::make_unique<GradArrivingHook>(this, b, i);
+        preHook = hook.get();
+        accumulator->add_pre_hook(std::move(hook));
+      }
+      hooks_.push_back(std::make_unique<HookHandle>(HookHandle{std::move(accumulator), key, preHook}));
     }
   }
 }
@@ -72,6 +96,10 @@ void GradReducer::registerHooks() {
 void GradReducer::removeHooks() {
   for (auto& h : hooks_) {
     h->accumulator->del_post_hook(h->key);
+    auto& preHooks = h->accumulator->pre_hooks();  // a Node has no del_pre_hook
+    preHooks.erase(std::remove_if(preHooks.begin(), preHooks.end(),
+                                  [&](const auto& hook) { return hook.get() == h->preHook; }),
+                   preHooks.end());
   }
   hooks_.clear();
 }
@@ -90,6 +118,11 @@ void GradReducer::beginBackward(bool boundary) {
     launched_[b] = 0;
     grads_.beginBackward(buckets_[b], b, boundary);
   }
+}
+
+at::Tensor GradReducer::onGradArriving(size_t bucket, size_t param, const at::Tensor& grad) {
+  if (!inBackward_) return grad;  // onGradReady reports it
+  return grads_.gradArriving(buckets_[bucket], bucket, param, grad);
 }
 
 void GradReducer::onGradReady(size_t bucket, size_t param) {

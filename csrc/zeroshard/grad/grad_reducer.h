@@ -46,6 +46,8 @@ class GradReducer {
   void abortBackward();
   // Called from the autograd hook of parameter `param` of bucket `bucket`.
   void onGradReady(size_t bucket, size_t param);
+  // Called by the hook before AccumulateGrad: the tensor to accumulate (GradStorage::gradArriving).
+  at::Tensor onGradArriving(size_t bucket, size_t param, const at::Tensor& grad);
   // Bytes of full-size buffers that exist only for a reduction (stages 2 and 3: the staging
   // buffers; stages 0 and 1 with fp32 reduction of 16-bit gradients: the fp32 copy), the most
   // alive at once since resetPeak().

@@ -28,11 +28,21 @@ void zeroAll(const std::vector<at::Tensor>& buffers) {
   if (!defined.empty()) at::_foreach_zero_(defined);
 }
 
-// Stages 0 and 1.
+// Note [first gradient of a window]: nothing zeroes the flat buffers after a step. zero()
+// only forgets which parameters have a gradient in the window and sets their .grad to None, as
+// torch's zero_grad() does. The first gradient a parameter receives in a window is then copied
+// into its view of the flat buffer before AccumulateGrad runs (gradArriving, from a pre-hook on
+// the parameter's accumulator), and the view is handed on as the gradient: AccumulateGrad finds
+// no .grad and makes the view it (it steals a tensor nothing else holds; where it copies
+// instead, as under create_graph, gradReady copies the result back and attaches the view).
+// Later gradients of the window accumulate into the view in place. At the boundary the views of
+// parameters that got no gradient in the window are zeroed before the reduction, and the
+// padding is never written. So a window costs one copy of each gradient, where zeroing and then
+// adding cost a write and a read-modify-write; the values are the same (x + 0 is x).
 class FullGradStorage final : public GradStorage {
  public:
   FullGradStorage(const std::vector<Bucket>& buckets, int rank, bool shardedOptimizer, bool wideShard)
-      : shardedOptimizer_(shardedOptimizer) {
+      : shardedOptimizer_(shardedOptimizer), reduced_(buckets.size(), 0) {
     for (const auto& b : buckets) {
       const auto& flat = flat_.emplace_back(at::zeros({b.layout().paddedNumel()}, b.flatParams().options()));
       const auto range = b.layout().shardRange(rank);
@@ -40,7 +50,8 @@ class FullGradStorage final : public GradStorage {
       // fp32 sums are kept unrounded, as stages 2 and 3 keep them (Note [gradient shard dtype]).
       wideShard_.push_back(wideShard ? at::zeros({b.layout().shardNumel()}, b.flatParams().options().dtype(at::kFloat))
                                      : at::Tensor());
-      attachViews(b, flat_.size() - 1);
+      params_.push_back(b.params());
+      written_.emplace_back(b.size(), 0);
     }
   }
 
@@ -51,11 +62,45 @@ class FullGradStorage final : public GradStorage {
     return shardedOptimizer_ ? slice_[index] : flat_[index];
   }
 
-  void beginBackward(const Bucket& bucket, size_t index, bool /*boundary*/) override { attachViews(bucket, index); }
+  void beginBackward(const Bucket& bucket, size_t index, bool /*boundary*/) override {
+    for (size_t i = 0; i < bucket.size(); ++i) {
+      auto& grad = bucket.params()[i].mutable_grad();
+      if (!grad.defined() && !written_[index][i]) continue;  // its first gradient goes in through gradArriving
+      const auto view = viewOf(bucket, index, i);
+      if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
+      // Keep what the user accumulated elsewhere: it is the start of this window's sum.
+      if (grad.defined()) view.copy_(grad);
+      written_[index][i] = 1;
+      grad = view;
+    }
+  }
+
+  at::Tensor gradArriving(const Bucket& bucket, size_t index, size_t param, const at::Tensor& grad) override {
+    if (written_[index][param] || bucket.params()[param].grad().defined()) return grad;
+    auto view = viewOf(bucket, index, param);
+    view.copy_(grad);
+    written_[index][param] = 1;
+    return view;
+  }
+
+  void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& /*transient*/) override {
+    auto& grad = bucket.params()[param].mutable_grad();
+    if (!grad.defined()) return;
+    const auto view = viewOf(bucket, index, param);
+    if (grad.data_ptr() == view.data_ptr()) return;
+    // AccumulateGrad made a new tensor (it did not steal the view, or added out of place).
+    view.copy_(grad);
+    written_[index][param] = 1;
+    grad = view;
+  }
 
   StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& /*ready*/,
                           Communicator& comm, const ReductionOptions& options, TransientBytes& transient) override {
     const at::Tensor& flat = flat_[index];
+    for (size_t i = 0; i < bucket.size(); ++i) {
+      if (!written_[index][i]) viewOf(bucket, index, i).zero_();  // no gradient in this window
+    }
+    reduced_[index] = 1;
     double mean = 1.0 / comm.worldSize();
     if (options.preDivide) {
       flat.mul_(mean);
@@ -79,8 +124,22 @@ class FullGradStorage final : public GradStorage {
   }
 
   void zero() override {
-    zeroAll(flat_);
-    zeroAll(wideShard_);
+    for (size_t b = 0; b < params_.size(); ++b) {
+      for (auto& p : params_[b]) p.mutable_grad() = at::Tensor();
+      std::fill(written_[b].begin(), written_[b].end(), 0);
+      reduced_[b] = 0;
+    }
+  }
+
+  void finishCopies() override {
+    std::vector<at::Tensor> unwritten;  // a step without a backward in its window reads zeros
+    for (size_t b = 0; b < flat_.size(); ++b) {
+      if (reduced_[b]) continue;
+      unwritten.push_back(flat_[b]);
+      unwritten.push_back(wideShard_[b]);
+      reduced_[b] = 1;
+    }
+    zeroAll(unwritten);
   }
 
   int64_t bytes() const override {
@@ -93,22 +152,18 @@ class FullGradStorage final : public GradStorage {
   }
 
  private:
-  void attachViews(const Bucket& bucket, size_t index) {
-    const auto& flat = flat_[index];
-    for (size_t i = 0; i < bucket.size(); ++i) {
-      const auto& place = bucket.layout().params()[i];
-      auto view = flat.narrow(0, place.offset, place.numel).view(place.shape);
-      auto& grad = bucket.params()[i].mutable_grad();
-      if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
-      if (grad.defined()) view.copy_(grad);  // keep what the user accumulated elsewhere
-      grad = view;
-    }
+  at::Tensor viewOf(const Bucket& bucket, size_t index, size_t param) const {
+    const auto& place = bucket.layout().params()[param];
+    return flat_[index].narrow(0, place.offset, place.numel).view(place.shape);
   }
 
   bool shardedOptimizer_;
   std::vector<at::Tensor> flat_;
   std::vector<at::Tensor> slice_;  // this rank's slice of each flat buffer (stage 1's reduce-scatter target)
   std::vector<at::Tensor> wideShard_;  // stage 1, 16-bit gradients reduced in fp32
+  std::vector<std::vector<at::Tensor>> params_;  // each bucket's parameters, whose .grad zero() drops
+  std::vector<std::vector<char>> written_;  // per bucket and parameter: has a gradient in this window
+  std::vector<char> reduced_;  // per bucket: reduced since zero() (else finishCopies() zeroes it)
 };
 
 // Stages 2 and 3.
@@ -168,17 +223,24 @@ class ShardedGradStorage final : public GradStorage {
     const bool first = !hasData_[index];
     hasData_[index] = 1;
     if (first && staging.scalar_type() == shard.scalar_type()) {
-      // First micro-batch of the window: reduce straight into the shard.
+      // First micro-batch of the window: reduce straight into the shard (zero() left it as it was).
       return {comm.reduceScatter(staging, shard, mean), [staging]() {}, stagingBytes};
     }
     auto partial = at::empty({layout.shardNumel()}, staging.options());
-    return {comm.reduceScatter(staging, partial, mean), [staging, partial, shard]() mutable { shard.add_(partial); },
+    return {comm.reduceScatter(staging, partial, mean),
+            [staging, partial, shard, first]() mutable { first ? shard.copy_(partial) : shard.add_(partial); },
             stagingBytes};
   }
 
-  void zero() override {
-    zeroAll(shards_);
-    std::fill(hasData_.begin(), hasData_.end(), 0);
+  void zero() override { std::fill(hasData_.begin(), hasData_.end(), 0); }
+
+  void finishCopies() override {
+    std::vector<at::Tensor> unwritten;  // a step without a backward in its window reads zeros
+    for (size_t b = 0; b < shards_.size(); ++b) {
+      if (!hasData_[b]) unwritten.push_back(shards_[b]);
+      hasData_[b] = 1;
+    }
+    zeroAll(unwritten);
   }
 
   int64_t bytes() const override {

@@ -86,21 +86,31 @@ class GradStorage {
   // cover (the whole buffer, or this rank's shard).
   virtual at::Tensor optimizerGrad(size_t index) const = 0;
 
-  // A backward starts (full: every parameter's .grad is its view again, after a user set it to
-  // None); `boundary`: it ends the accumulation window.
+  // A backward starts (full: every parameter that has a gradient in this window has its view as
+  // .grad again, after a user set it to None); `boundary`: it ends the accumulation window.
   virtual void beginBackward(const Bucket& bucket, size_t index, bool boundary) {}
+  // Parameter `param`'s gradient `grad` is about to be accumulated into its .grad: returns the
+  // tensor to accumulate instead (full: the window's first gradient, copied into the parameter's
+  // view of the flat buffer, Note [first gradient of a window]).
+  virtual at::Tensor gradArriving(const Bucket& bucket, size_t index, size_t param, const at::Tensor& grad) {
+    return grad;
+  }
   // Parameter `param` of the bucket has its final gradient for this backward (sharded: it goes
   // into the staging buffer and .grad is freed).
   virtual void gradReady(const Bucket& bucket, size_t index, size_t param, TransientBytes& transient) {}
   // Starts the bucket's reduction. ready[i]: parameter i got a gradient in this backward.
   virtual StartedReduction reduce(const Bucket& bucket, size_t index, const std::vector<char>& ready,
                                   Communicator& comm, const ReductionOptions& options, TransientBytes& transient) = 0;
-  // After an optimizer step: every gradient is zero, and nothing has been reduced into a shard.
+  // After an optimizer step: the next window starts from no gradient, and nothing has been
+  // reduced into a shard. The buffers are not written here: the window's first gradient or
+  // reduction overwrites them, and finishCopies() zeroes those nothing wrote (full: every .grad
+  // is None until its parameter's next gradient, as after torch's zero_grad()).
   virtual void zero() = 0;
   // Bytes of gradients held between steps (not the transient ones), and of those in host memory.
   virtual int64_t bytes() const = 0;
   virtual int64_t hostBytes() const { return 0; }
-  // Before the optimizer reads optimizerGrad(): every copy into host memory has finished.
+  // Before the optimizer reads optimizerGrad(): every copy into host memory has finished, and a
+  // buffer no reduction wrote since zero() reads as zero.
   virtual void finishCopies() {}
 };
 

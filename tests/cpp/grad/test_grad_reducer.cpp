@@ -128,25 +128,15 @@ TEST_CASE("forPlan gives gradients that accumulate in place at stages 0 and 1 an
         CHECK(og.is_contiguous());
         CHECK(at::equal(og, at::zeros_like(og)));
         if (stage <= 1) {
-          // .grad of every parameter is a view of one flat buffer at its offset; the optimizer
-          // reads that buffer (stage 0) or this rank's slice of it (stage 1).
-          const at::Tensor& first = buckets[b].params()[0].grad();
-          REQUIRE(first.defined());
-          const auto* base = static_cast<const char*>(first.data_ptr());
-          for (size_t i = 0; i < buckets[b].size(); ++i) {
-            const at::Tensor& grad = buckets[b].params()[i].grad();
-            REQUIRE(grad.defined());
-            CHECK(grad.sizes() == buckets[b].params()[i].sizes());
-            CHECK(grad.storage().is_alias_of(first.storage()));
-            CHECK(static_cast<const char*>(grad.data_ptr()) == base + layout.params()[i].offset * 4);
-          }
-          CHECK(og.storage().is_alias_of(first.storage()));
+          // The optimizer reads the whole flat buffer (stage 0) or this rank's slice of it
+          // (stage 1); no parameter has a .grad before its first gradient (Note [first gradient
+          // of a window]).
+          for (const auto& p : buckets[b].params()) CHECK_FALSE(p.grad().defined());
           if (stage == 0) {
             CHECK(og.numel() == layout.paddedNumel());
-            CHECK(static_cast<const char*>(og.data_ptr()) == base);
           } else {
             CHECK(og.numel() == layout.shardNumel());
-            CHECK(static_cast<const char*>(og.data_ptr()) == base + range.begin * 4);
+            CHECK(og.storage_offset() == range.begin);
           }
         } else {
           // Only the shard exists between backwards; no parameter holds a .grad.
@@ -195,7 +185,6 @@ TEST_CASE("gradient dtypes follow the gradient shard dtype note and bytes counts
       CHECK(grads->optimizerGrad(b).numel() == (row.stage == 0 ? layout.paddedNumel() : layout.shardNumel()));
       if (row.stage <= 1) {
         // The flat buffer holds .grad in the compute dtype, whatever the optimizer reads.
-        CHECK(buckets[b].params()[0].grad().scalar_type() == row.compute);
         expectedBytes += layout.paddedNumel() * bytesPerElement(row.compute);
         if (wideStage1Shard) expectedBytes += layout.shardNumel() * 4;
       } else {
@@ -235,25 +224,63 @@ TEST_CASE("stages 0 and 1 accumulate in place and reduce only at the accumulatio
     CHECK(allCalls(comm) == 3);
     for (size_t b = 0; b < buckets.size(); ++b) {
       INFO("bucket " << b);
-      CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {0, 1, 2}, 1, 0)));
+      const at::Tensor og = grads->optimizerGrad(b);
+      CHECK(sameValues(og, expectedOptimizerGrad(plan, buckets, b, {0, 1, 2}, 1, 0)));
+      // .grad of every parameter is a view of the one flat buffer at its offset.
       for (size_t i = 0; i < buckets[b].size(); ++i) {
         const auto& place = buckets[b].layout().params()[i];
-        CHECK(sameValues(buckets[b].params()[i].grad().reshape({-1}),
-                         expectedFlat(buckets, b, {0, 1, 2}, 1).narrow(0, place.offset, place.numel)));
+        const at::Tensor& grad = buckets[b].params()[i].grad();
+        REQUIRE(grad.defined());
+        CHECK(grad.storage().is_alias_of(og.storage()));
+        CHECK(grad.storage_offset() == place.offset);
+        CHECK(sameValues(grad.reshape({-1}), expectedFlat(buckets, b, {0, 1, 2}, 1).narrow(0, place.offset, place.numel)));
       }
     }
 
-    // zero(): every gradient is zero, .grad included, and the next window starts from nothing.
+    // zero(): .grad is None again and the next window starts from nothing: the buffers are not
+    // written, so a value planted in them after zero() must not reach the next window's sum.
     grads->zero();
     for (size_t b = 0; b < buckets.size(); ++b) {
-      CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
-      for (const auto& p : buckets[b].params()) CHECK(at::equal(p.grad(), at::zeros_like(p)));
+      for (const auto& p : buckets[b].params()) CHECK_FALSE(p.grad().defined());
+      grads->optimizerGrad(b).narrow(0, 0, buckets[b].layout().numel()).fill_(1000);
     }
     comm.resetStats();
-    runBackward(reducer, buckets, true, 3);
+    runBackward(reducer, buckets, false, 3);
+    runBackward(reducer, buckets, true, 4);
     CHECK(calls(comm, kind) == 3);
     for (size_t b = 0; b < buckets.size(); ++b) {
-      CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {3}, 1, 0)));
+      CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {3, 4}, 1, 0)));
+    }
+
+    // A step whose window had no backward reads zeros (finishCopies), not the last window's.
+    grads->zero();
+    grads->finishCopies();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
+    }
+  }
+}
+
+TEST_CASE("stages 0 and 1 zero at the boundary a parameter that got no gradient in the window, and take one "
+          "that arrives in a later micro-batch", "[grad_reducer]") {
+  for (int64_t stage : {0, 1}) {
+    INFO("stage " << stage);
+    const auto plan = ShardingPlan::forStage(stage, 1);
+    auto buckets = makeBuckets(kModel, 0, 1);
+    auto grads = GradStorage::forPlan(plan, buckets, 0, {at::kFloat, 2, false});
+    Communicator comm(singleRankGroup(), kTimeout);
+    GradReducer reducer(buckets, *grads, comm, ReductionOptions{});
+    runBackward(reducer, buckets, true, 0);
+    grads->zero();
+    for (size_t b = 0; b < buckets.size(); ++b) grads->optimizerGrad(b).narrow(0, 0, buckets[b].layout().numel()).fill_(1000);
+    // fc.bias only in the second micro-batch, the embedding in neither.
+    runBackward(reducer, buckets, false, 1, {"fc.bias", "embedding"});
+    runBackward(reducer, buckets, true, 2, {"embedding"});
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      INFO("bucket " << b);
+      auto expected = expectedFlat(buckets, b, {1}, 1, {"fc.bias", "embedding"})
+                          .add(expectedFlat(buckets, b, {2}, 1, {"embedding"}));
+      CHECK(sameValues(grads->optimizerGrad(b), expected));
     }
   }
 }
@@ -289,18 +316,22 @@ TEST_CASE("stages 2 and 3 reduce every micro-batch into the shard and accumulate
       CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {0, 1}, 1, 0)));
     }
 
-    // zero() empties every shard, and the first reduction after it writes the shard instead of
-    // adding to it: what was there before (here a value planted after zero()) is gone.
+    // zero() writes nothing, and the first reduction after it writes the shard instead of adding
+    // to it: what was there before (here a value planted after zero()) is gone.
     grads->zero();
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
-      grads->optimizerGrad(b).fill_(1000);
-    }
+    for (size_t b = 0; b < buckets.size(); ++b) grads->optimizerGrad(b).fill_(1000);
     runBackward(reducer, buckets, false, 2);
     runBackward(reducer, buckets, true, 3);
     for (size_t b = 0; b < buckets.size(); ++b) {
       INFO("bucket " << b);
       CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {2, 3}, 1, 0)));
+    }
+
+    // A step whose window had no backward reads zeros (finishCopies), not the last window's.
+    grads->zero();
+    grads->finishCopies();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
     }
   }
 }
@@ -568,10 +599,11 @@ TEST_CASE("two ranks keep fp16 sums finite with preDivide and bf16 sums unrounde
   CHECK(zeroshard::testing::describeFailures(outcomes).empty());
 }
 
-// FullGradStorage::zero() zeroed the flat buffers but not stage 1's fp32 gradient shard (16-bit
-// gradients reduced in fp32), which kept the last window's sums until the next boundary
-// overwrote it; grad_storage.h says every gradient is zero after zero().
-TEST_CASE("zero() also empties stage 1's fp32 gradient shard of 16-bit gradients", "[grad_reducer]") {
+// Stage 1's fp32 gradient shard of 16-bit gradients reduced in fp32 is the reduce-scatter's
+// output: the next window's sums overwrite it, and a step without a backward in its window reads
+// zeros from it (finishCopies), not the last window's sums.
+TEST_CASE("after zero() stage 1's fp32 gradient shard of 16-bit gradients holds only the next window's sums",
+          "[grad_reducer]") {
   const auto plan = ShardingPlan::forStage(1, 1);
   auto buckets = makeBuckets(kModel, 0, 1, at::kBFloat16);
   auto grads = GradStorage::forPlan(plan, buckets, 0, {at::kBFloat16, 1, true});
@@ -583,8 +615,16 @@ TEST_CASE("zero() also empties stage 1's fp32 gradient shard of 16-bit gradients
   REQUIRE(grads->optimizerGrad(0).scalar_type() == at::kFloat);
   REQUIRE(sameValues(grads->optimizerGrad(0), expectedOptimizerGrad(plan, buckets, 0, {0}, 1, 0)));
   grads->zero();
+  grads->finishCopies();
   for (size_t b = 0; b < buckets.size(); ++b) {
     INFO("bucket " << b);
     CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
+  }
+  grads->zero();
+  for (size_t b = 0; b < buckets.size(); ++b) grads->optimizerGrad(b).fill_(1000);
+  runBackward(reducer, buckets, true, 1);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    INFO("bucket " << b);
+    CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {1}, 1, 0)));
   }
 }

@@ -183,6 +183,13 @@ void bindConfig(py::module_& m) {
       .def("param", &SchedulerConfig::param, py::arg("key"),
            "The written value, else DeepSpeed's default (KeyError-like IndexError when neither).");
 
+  py::class_<CompileConfig>(m, "CompileConfig", "The \"compile\" section (read-only, docs/compile.md).")
+      .def_readonly("enabled", &CompileConfig::enabled, "initialize compiles each unit (engine.compile()).")
+      .def_readonly("backend", &CompileConfig::backend)
+      .def_property_readonly(
+          "kwargs", [](const CompileConfig& c) { return py::module_::import("json").attr("loads")(c.kwargs); },
+          "torch.compile's keyword arguments (a new dict each time).");
+
   py::class_<ZeroshardExtras>(m, "ZeroshardExtras", "The \"zeroshard\" section (read-only).")
       .def_readonly("collective_timeout_seconds", &ZeroshardExtras::collectiveTimeoutSeconds)
       .def_readonly("reshard_after_forward", &ZeroshardExtras::reshardAfterForward)
@@ -278,6 +285,7 @@ void bindConfig(py::module_& m) {
       .def_property_readonly("zero_optimization", part(&Config::zero), internal)
       .def_property_readonly("zeroshard", part(&Config::extras), internal)
       .def_property_readonly("scheduler", part(&Config::scheduler), internal)
+      .def_property_readonly("compile", part(&Config::compile), internal)
       .def_readonly("steps_per_print", &Config::stepsPerPrint)
       .def_readonly("wall_clock_breakdown", &Config::wallClockBreakdown)
       .def_readonly("auto_keys", &Config::autoKeys,

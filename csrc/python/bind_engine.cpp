@@ -208,6 +208,10 @@ void bindEngine(py::module_& m) {
              }
              MetaInit init{at::Device(initDevice), metaInitSteps(initSteps)};
              auto processGroup = c10d::resolve_process_group(groupName);
+             // The Python layer compiles the units itself (zeroshard.initialize, config "compile"):
+             // the core must not warn that a C++ engine runs eagerly.
+             Config core = config;
+             core.compile.enabled = false;
              CollectedWarnings warnings;  // e.g. one intra-op thread for an offloaded optimizer
              HolderWithoutGil<Engine> built;
              {
@@ -215,7 +219,7 @@ void bindEngine(py::module_& m) {
                // Construction waits on collectives; Gloo's worker threads may need the GIL to drop
                // the last reference to a Python-owned tensor, so it must not be held here.
                py::gil_scoped_release noGil;
-               built.reset(new Engine(std::move(specs), std::move(processGroup), config, std::move(unitSpecs),
+               built.reset(new Engine(std::move(specs), std::move(processGroup), core, std::move(unitSpecs),
                                       std::move(init), std::move(frozen)));
              }
              warnings.warnAtCaller();

@@ -29,7 +29,8 @@ def compile_units(model, units, backend="inductor", **compile_kwargs):
     for name, module in targets:
         if getattr(module, "_zeroshard_compiled", False):
             raise RuntimeError(f"zeroshard: engine.compile(): unit '{name or '<model>'}' is compiled already; "
-                               "compile once, after initialize")
+                               "compile once, after initialize (which compiles when the config's "
+                               "compile.enabled is true)")
     for name, module in targets:
         # Note [hooks outside the graphs]: the instance's forward, not nn.Module.compile().
         module.forward = torch.compile(module.forward, backend=backend, **compile_kwargs)

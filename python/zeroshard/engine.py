@@ -113,18 +113,22 @@ class Engine:
         rank calls it; it waits for the last step on the device."""
         self._core.check_last_step()
 
-    def compile(self, backend="inductor", **compile_kwargs):
+    def compile(self, backend=None, **compile_kwargs):
         """Compiles each unit's forward in place with torch.compile(backend=backend,
-        **compile_kwargs), at any stage; zeroshard's hooks (stage 3's gathers and releases, the
-        gradient reductions) stay outside the graphs and run as they do eagerly (Note [hooks
+        **compile_kwargs), at any stage (backend None: the config's compile.backend, default
+        "inductor"; the config's compile.kwargs are the defaults of compile_kwargs); zeroshard's
+        hooks (stage 3's gathers and releases, the gradient reductions) stay outside the graphs and run as they do eagerly (Note [hooks
         outside the graphs], zeroshard/compiled.py). The units are stage 3's (below stage 3 found
         by the same rule: zeroshard.stage3_unit_classes, or the children of the largest
         nn.ModuleList; a model with none is compiled whole). Call it once, after initialize,
-        on every rank; the first step compiles. Returns the names of the compiled modules."""
+        on every rank (initialize calls it when the config's compile.enabled is true); the first
+        step compiles. Returns the names of the compiled modules."""
         from zeroshard import compiled
 
+        section = self.config.compile
         units = compiled.units_of(self._units, self.module, self.config.zeroshard.stage3_unit_classes)
-        return compiled.compile_units(self.module, units, backend, **compile_kwargs)
+        return compiled.compile_units(self.module, units, section.backend if backend is None else backend,
+                                      **{**section.kwargs, **compile_kwargs})
 
     @contextlib.contextmanager
     def gathered_parameters(self):

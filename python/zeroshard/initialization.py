@@ -112,6 +112,8 @@ def initialize(model, config, process_group=None, param_groups=None, auto=None, 
     engine = Engine(model, core, cfg, hooks, trained, optimizer, lr_scheduler, units)
     if lr_scheduler is None and cfg.scheduler.enabled:
         engine.lr_scheduler = ConfigSchedule(core)  # stepped in C++, shown as DeepSpeed's object
+    if cfg.compile.enabled:
+        engine.compile()  # the config's backend and kwargs (docs/compile.md)
     return engine
 
 

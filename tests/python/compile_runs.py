@@ -8,20 +8,26 @@ from models import global_batch, make_model
 STEPS, MICRO = 5, 2
 
 
-def _config(stage):
+def _config(stage, dtype="fp32", offload=False, compile_section=None):
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "zeroshard": {"collective_timeout_seconds": 120}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if compile_section is not None:
+        config["compile"] = compile_section
     return config
 
 
-def _train(rank, world, stage, compiled):
+def _train(rank, world, stage, compiled, **config):
     import zeroshard
     from torch._dynamo.utils import counters
 
     model = make_model()
-    engine = zeroshard.initialize(model, _config(stage))
+    engine = zeroshard.initialize(model, _config(stage, **config))
     if compiled:
         torch._dynamo.reset()  # each stage compiles its own graphs, counted from zero
         counters.clear()
@@ -42,10 +48,50 @@ def _train(rank, world, stage, compiled):
                 memory=engine.memory_stats(), comm=engine.comm_stats())
 
 
-def compiled_and_eager(rank, world, stage):
-    eager = _train(rank, world, stage, compiled=False)
-    compiled = _train(rank, world, stage, compiled=True)
+def compiled_and_eager(rank, world, stage, dtype="fp32", offload=False):
+    eager = _train(rank, world, stage, compiled=False, dtype=dtype, offload=offload)
+    compiled = _train(rank, world, stage, compiled=True, dtype=dtype, offload=offload)
     return dict(eager=eager, compiled=compiled)
+
+
+BACKEND = "zeroshard_test_counting"
+_GRAPHS = []  # one entry per graph the counting backend compiled
+
+
+def _counting_backend(gm, example_inputs):
+    _GRAPHS.append(len(gm.graph.nodes))
+    return gm.forward  # runs the captured graph as it is
+
+
+def config_section(rank, world):
+    """The config's "compile" section at stage 3: enabled compiles at initialize with its backend
+    and kwargs; without enabled, backend and kwargs are engine.compile()'s defaults."""
+    import zeroshard
+    from torch._dynamo import list_backends, register_backend
+
+    if BACKEND not in list_backends(exclude_tags=()):
+        register_backend(_counting_backend, name=BACKEND)
+    sections = {"enabled": {"enabled": True, "backend": BACKEND},
+                "disabled by kwargs": {"enabled": True, "backend": BACKEND, "kwargs": {"disable": True}},
+                "defaults of compile()": {"backend": BACKEND},
+                "off": {"enabled": False, "backend": BACKEND}}
+    out = {}
+    for label, section in sections.items():
+        torch._dynamo.reset()
+        _GRAPHS.clear()
+        model = make_model()
+        engine = zeroshard.initialize(model, _config(3, compile_section=section))
+        compiled_at_initialize = sorted(n for n, m in model.named_modules() if getattr(m, "_zeroshard_compiled", False))
+        names = engine.compile() if label == "defaults of compile()" else []
+        losses = []
+        for step in range(2):
+            tokens = global_batch(step, MICRO * world)[rank * MICRO:(rank + 1) * MICRO]
+            loss = model.loss(tokens)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[label] = dict(at_initialize=compiled_at_initialize, names=names, graphs=len(_GRAPHS), losses=losses)
+    return out
 
 
 def deepspeed_compile(rank, world):

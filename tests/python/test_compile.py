@@ -4,17 +4,24 @@ eagerly and compiled in one spawned pair of processes (spawn.SharedRuns)."""
 
 import pytest
 
-from compile_runs import STEPS, compiled_and_eager, deepspeed_compile
+from compile_runs import STEPS, compiled_and_eager, config_section, deepspeed_compile
 from spawn import SharedRuns
 
 WORLD = 2
 STAGES = (0, 1, 2, 3)
+# 16-bit compute and an offloaded optimizer, compiled against the same run eagerly: (stage,
+# dtype, offload) and how far the losses may differ (inductor fuses 16-bit ops in fp32, eager
+# rounds after each op).
+MIXED = {"stage3-bf16": ((3, "bf16", False), 2e-2), "stage2-fp16": ((2, "fp16", False), 5e-3),
+         "stage2-offload": ((2, "fp32", True), 1e-5)}
 
 
 @pytest.fixture(scope="module")
 def runs():
     cases = {f"stage{s}": (compiled_and_eager, s) for s in STAGES}
+    cases.update({name: (compiled_and_eager, *args) for name, (args, _) in MIXED.items()})
     cases["deepspeed"] = (deepspeed_compile,)
+    cases["config"] = (config_section,)
     return SharedRuns({WORLD: cases}, timeout=900)
 
 
@@ -59,3 +66,34 @@ def test_deepspeed_engine_compile_trains_as_eager_and_refuses_deepcompile(runs):
         for step, (a, b) in enumerate(zip(result["eager"], result["compiled"])):
             assert abs(a - b) <= 1e-5, f"rank {rank} step {step}: eager {a} compiled {b}"
         assert "DeepCompile" in result["schedule_error"], result["schedule_error"]
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_compiled_units_in_16_bit_and_offloaded_train_as_eager(runs, name):
+    (stage, dtype, offload), tolerance = MIXED[name]
+    for rank, result in enumerate(runs.result(WORLD, name)):
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["names"] == ["blocks.0", "blocks.1"], f"rank {rank}: compiled {compiled['names']}"
+        assert compiled["graphs"][0] > 0 and compiled["graphs"][-1] == compiled["graphs"][0], compiled["graphs"]
+        for step, (a, b) in enumerate(zip(eager["losses"], compiled["losses"])):
+            assert abs(a - b) <= tolerance * max(1.0, abs(a)), f"{name} rank {rank} step {step}: eager {a} compiled {b}"
+        assert compiled["memory"] == eager["memory"] and compiled["comm"] == eager["comm"], name
+
+
+def test_the_config_compile_section_takes_effect(runs):
+    for rank, result in enumerate(runs.result(WORLD, "config")):
+        enabled = result["enabled"]
+        # compile.enabled: initialize compiled the units with compile.backend, which ran.
+        assert enabled["at_initialize"] == ["blocks.0", "blocks.1"], enabled
+        assert enabled["graphs"] > 0, f"rank {rank}: compile.backend never compiled a graph"
+        # compile.kwargs reach torch.compile: disable=True compiles nothing.
+        assert result["disabled by kwargs"]["at_initialize"] == ["blocks.0", "blocks.1"]
+        assert result["disabled by kwargs"]["graphs"] == 0, result["disabled by kwargs"]
+        # Without enabled nothing is compiled at initialize; engine.compile() takes the section's backend.
+        defaults = result["defaults of compile()"]
+        assert defaults["at_initialize"] == [] and defaults["names"] == ["blocks.0", "blocks.1"], defaults
+        assert defaults["graphs"] > 0
+        assert result["off"]["at_initialize"] == [] and result["off"]["graphs"] == 0
+        # A backend that runs the captured graphs as they are trains exactly as eagerly.
+        for label in ("enabled", "disabled by kwargs", "defaults of compile()"):
+            assert result[label]["losses"] == result["off"]["losses"], (label, result[label]["losses"])

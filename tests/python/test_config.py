@@ -187,6 +187,10 @@ KEY_EFFECTS = {
     "zeroshard.shard_group_size": ("field", r"extras\.shardGroupSize", 2),
     # hpZ is stage 3's: at the default stage 0 it warns; test_hpz.py trains with it.
     "zero_optimization.zero_hpz_partition_size": ("warns", 2),
+    "compile": ("section", None, None),
+    "compile.enabled": ("field", r"compile\.enabled", True),
+    "compile.backend": ("field", r"section\.backend", "eager"),
+    "compile.kwargs": ("field", r"section\.kwargs", {"mode": "max-autotune"}),
 }
 
 # The keys marked "inert" and the key beside them that switches their feature on.
@@ -268,6 +272,22 @@ def test_every_accepted_key_takes_effect_or_warns():
             assert re.search(token, sources), f"{path}: its field ({token}) is read nowhere outside the config layer"
     listed = {f"{s}.{k}" if s else k for s, k, kind in accepted if kind == "read"}
     assert listed == set(KEY_EFFECTS), f"KEY_EFFECTS lists keys the reader no longer accepts: {set(KEY_EFFECTS) - listed}"
+
+
+def test_the_compile_section_is_read_and_its_bad_values_named():
+    cfg = zeroshard.Config.from_dict({"compile": {"enabled": True, "backend": "eager", "kwargs": {"dynamic": False}}})
+    assert (cfg.compile.enabled, cfg.compile.backend, cfg.compile.kwargs) == (True, "eager", {"dynamic": False})
+    default = zeroshard.Config.from_dict({}).compile
+    assert (default.enabled, default.backend, default.kwargs) == (False, "inductor", {})
+    for section, message in [({"backend": 3}, r"compile.backend: must be the name of a torch.compile backend"),
+                             ({"backend": ""}, r"compile.backend: must be the name"),
+                             ({"kwargs": [1]}, r"compile.kwargs: must be an object of torch.compile's keyword"),
+                             ({"kwargs": {"backend": "eager"}}, r"compile.kwargs: \"backend\" goes in compile.backend")]:
+        with pytest.raises(ValueError, match=message):
+            zeroshard.Config.from_dict({"compile": section})
+    # DeepCompile is DeepSpeed's own compiler passes: named in a warning, not run.
+    with pytest.warns(UserWarning, match=r'"compile.deepcompile" is a DeepSpeed key zeroshard does not implement'):
+        zeroshard.Config.from_dict({"compile": {"deepcompile": True}})
 
 
 def _user_line():

@@ -194,6 +194,7 @@ std::string Config::toJsonString() const {
   }
   j["steps_per_print"] = stepsPerPrint;
   j["wall_clock_breakdown"] = wallClockBreakdown;
+  j["compile"] = {{"enabled", compile.enabled}, {"backend", compile.backend}, {"kwargs", Json::parse(compile.kwargs)}};
   j["zeroshard"] = {{"collective_timeout_seconds", extras.collectiveTimeoutSeconds},
                     {"reshard_after_forward", extras.reshardAfterForward},
                     {"stage3_unit_classes", extras.unitClasses},

@@ -173,6 +173,17 @@ struct ZeroshardExtras {
   int64_t shardGroupSize = 0;
 };
 
+// "compile": DeepSpeed's torch.compile section (its 0.10-0.13 keys). `enabled`: initialize
+// compiles each unit in place (the Python layer's engine.compile(), docs/compile.md) with
+// torch.compile(backend=backend, **kwargs); `backend` and `kwargs` are also engine.compile()'s
+// defaults. torch.compile is Python's: an Engine built from C++ runs eagerly and warns when
+// `enabled` is set. DeepCompile (deepcompile and the keys that tune it) is ignored with a warning.
+struct CompileConfig {
+  bool enabled = false;
+  std::string backend = "inductor";
+  std::string kwargs = "{}";  // torch.compile's keyword arguments: a JSON object
+};
+
 struct Config {
   // Unset batch sizes are derived by batchSizes() once the world size is known.
   std::optional<int64_t> trainBatchSize;
@@ -185,6 +196,7 @@ struct Config {
   ZeroConfig zero;
   ZeroshardExtras extras;
   SchedulerConfig scheduler;
+  CompileConfig compile;
   // steps_per_print: rank 0 logs step, lr, loss scale, loss and samples/s every this many
   // optimizer steps (DeepSpeed's default 10). wall_clock_breakdown: the log line adds forward,
   // backward, step and communication milliseconds.

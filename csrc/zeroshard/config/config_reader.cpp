@@ -132,6 +132,7 @@ void ConfigReader::readTopLevel(const Json& root) {
   if (const Json* extras = object(root, "", "zeroshard")) readExtras(*extras, "zeroshard");
   if (const Json* tp = object(root, "", "tensor_parallel")) readTensorParallel(*tp, "tensor_parallel");
   if (const Json* scheduler = object(root, "", "scheduler")) readScheduler(*scheduler, "scheduler");
+  if (const Json* compile = object(root, "", "compile")) readCompile(*compile, "compile");
   readInt(root, "", "steps_per_print", kPositiveInt, config_.stepsPerPrint);
   readBool(root, "", "wall_clock_breakdown", config_.wallClockBreakdown);
 }

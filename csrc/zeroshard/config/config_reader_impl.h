@@ -187,6 +187,7 @@ class ConfigReader {
   void readExtras(const Json& o, const std::string& path);
   void readTensorParallel(const Json& o, const std::string& path);
   void readScheduler(const Json& o, const std::string& path);
+  void readCompile(const Json& o, const std::string& path);
   void readSchedulerParam(const Json& value, const std::string& path, const SchedulerParamSpec& spec);
   void readOffload(const Json& o, const std::string& path, OffloadConfig& offload);
   void readShardGroupSize(const Json& o, const std::string& path, const char* key);

@@ -111,6 +111,29 @@ void ConfigReader::readTensorParallel(const Json& o, const std::string& path) {
   }
 }
 
+void ConfigReader::readCompile(const Json& o, const std::string& path) {
+  checkKeys(o, path, configSection("compile"));
+  CompileConfig& compile = config_.compile;
+  readBool(o, path, "enabled", compile.enabled);
+  if (const Json* backend = member(o, "backend")) {
+    if (!backend->is_string() || backend->get<std::string>().empty()) {
+      fail(join(path, "backend") + ": must be the name of a torch.compile backend (a non-empty string, e.g. "
+           "\"inductor\"), got " + describe(*backend));
+    }
+    compile.backend = backend->get<std::string>();
+  }
+  if (const Json* kwargs = member(o, "kwargs"); kwargs != nullptr && !kwargs->is_null()) {
+    if (!kwargs->is_object()) {
+      fail(join(path, "kwargs") + ": must be an object of torch.compile's keyword arguments (e.g. "
+           "{\"mode\": \"max-autotune\"}), got " + describe(*kwargs));
+    }
+    if (kwargs->contains("backend")) {
+      fail(join(path, "kwargs") + ": \"backend\" goes in " + join(path, "backend") + ", not in kwargs");
+    }
+    compile.kwargs = kwargs->dump();
+  }
+}
+
 void ConfigReader::readScheduler(const Json& o, const std::string& path) {
   checkKeys(o, path, configSection("scheduler"));
   const Json* type = member(o, "type");

@@ -75,6 +75,10 @@ Engine::Engine(ModelInputs model, c10::intrusive_ptr<c10d::ProcessGroup> process
                  if (!state_.buckets().empty()) synchronizeDevice(state_.device());
                }) {
   groups_.resetStepStats();
+  if (config_.compile.enabled && groups_.world().rank() == 0) {
+    TORCH_WARN("zeroshard: compile.enabled is ignored by an engine built from C++: torch.compile is Python's, so the "
+               "units run eagerly (zeroshard.initialize in Python compiles them, docs/compile.md)");
+  }
 }
 
 Engine::~Engine() = default;

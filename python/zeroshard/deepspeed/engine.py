@@ -262,10 +262,11 @@ class DeepSpeedEngine(torch.nn.Module):
         stage3_gather_fp16_weights_on_model_save); False when not set."""
         return self._engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
-    def compile(self, backend="inductor", compile_kwargs=None, schedule=None, compiled_autograd_enabled=False):
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False):
         """DeepSpeed's engine.compile: each unit's forward compiled in place with
         torch.compile(backend=backend, **compile_kwargs), zeroshard's hooks outside the graphs
-        (zeroshard.Engine.compile). DeepCompile's `schedule` (its compiler passes over ZeRO-3)
+        (zeroshard.Engine.compile; backend None: the config's compile.backend, "inductor" unless
+        set). DeepCompile's `schedule` (its compiler passes over ZeRO-3)
         and compiled autograd are not implemented: passing them is an error, not a silent
         eager run."""
         if schedule is not None:

@@ -5,6 +5,8 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/mv.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -150,12 +152,32 @@ at::Tensor ShardedAdamW::localGradSquareSum(const at::Device& device) {
   return sum;
 }
 
+// Note [probe as a product]: the finite probe needs a sum, not an accurate one. An fp32 shard
+// viewed as rows of kProbeRow elements times a vector of ones is that sum as a matrix-vector
+// product, which BLAS streams at memory speed: about 1.5x faster than at::sum's cascade
+// summation on CPU (benchmarks/README.md, "The engine's own step cost"). inf and NaN propagate
+// through it as through any sum. 16-bit shards keep at::sum with an fp32 accumulator.
+at::Tensor ShardedAdamW::shardSum(const at::Tensor& grad) {
+  constexpr int64_t kProbeRow = 4096;
+  const int64_t rows = grad.numel() / kProbeRow;
+  if (grad.scalar_type() != at::kFloat || grad.dim() != 1 || !grad.is_contiguous() || rows == 0) {
+    return at::sum(grad, at::kFloat);
+  }
+  if (!probeOnes_.defined() || probeOnes_.device() != grad.device()) {
+    probeOnes_ = at::ones({kProbeRow}, grad.options());
+  }
+  at::Tensor sum = at::mv(grad.narrow(0, 0, rows * kProbeRow).view({rows, kProbeRow}), probeOnes_).sum();
+  const int64_t rest = grad.numel() - rows * kProbeRow;
+  if (rest > 0) sum.add_(grad.narrow(0, rows * kProbeRow, rest).sum());
+  return sum;
+}
+
 at::Tensor ShardedAdamW::localGradSum(const at::Device& device) {
   at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (auto& g : groups_) {
     for (size_t i = 0; i < g.grads.size(); ++i) {
       const at::Tensor& grad = i < g.prepared.size() && g.prepared[i].defined() ? g.prepared[i] : g.grads[i];
-      sum.add_(at::sum(grad, at::kFloat).to(at::kDouble).to(device));
+      sum.add_(shardSum(grad).to(at::kDouble).to(device));
     }
   }
   return sum;

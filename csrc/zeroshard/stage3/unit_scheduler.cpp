@@ -362,20 +362,6 @@ int64_t UnitScheduler::frozenHostBytes() const {
   return total;
 }
 
-void UnitScheduler::refreshKeptUnits() {
-  for (size_t b = 0; b < unitOfBucket_.size(); ++b) afterStepOf(b);
-  finishAfterStep();
-}
-
-// The step changed the trained shards: a kept-gathered unit (trained parameters only) gathers
-// them again, and secondary shards are dropped (hpZ keeps them between a forward and its
-// backward only).
-void UnitScheduler::afterStepOf(size_t bucket) {
-  const size_t u = unitOfBucket_.at(bucket);
-  dropSecondaryShard(u);
-  if (policies_[u].keepGathered) refreshing_.emplace_back(u, startGather(u, 0));
-}
-
 void UnitScheduler::finishAfterStep() {
   auto refreshing = std::move(refreshing_);
   refreshing_.clear();

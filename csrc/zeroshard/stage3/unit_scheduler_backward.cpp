@@ -1,7 +1,8 @@
-// The stage-3 scheduler's backward (stage3/unit_scheduler.h): the gathers before each unit's
-// backward and their prefetch, when a unit is released after it (Note [release after backward]),
-// and the end of a backward: what is still gathered is released and the recorded order is
-// compared across ranks once.
+// The stage-3 scheduler's backward and what follows it (stage3/unit_scheduler.h): the gathers
+// before each unit's backward and their prefetch, when a unit is released after it (Note
+// [release after backward]), the end of a backward (what is still gathered is released and the
+// recorded order is compared across ranks once), and the start of the gathers after the
+// optimizer step (finishAfterStep, in unit_scheduler.cpp, waits for them).
 #include "zeroshard/stage3/unit_scheduler.h"
 
 #include <c10/core/GradMode.h>
@@ -132,6 +133,20 @@ void UnitScheduler::checkOrderAcrossRanks() {
                   "'; every rank must run the units in the same order");
     }
   }
+}
+
+void UnitScheduler::refreshKeptUnits() {
+  for (size_t b = 0; b < unitOfBucket_.size(); ++b) afterStepOf(b);
+  finishAfterStep();
+}
+
+// The step changed the trained shards: a kept-gathered unit (trained parameters only) gathers
+// them again, and secondary shards are dropped (hpZ keeps them between a forward and its
+// backward only).
+void UnitScheduler::afterStepOf(size_t bucket) {
+  const size_t u = unitOfBucket_.at(bucket);
+  dropSecondaryShard(u);
+  if (policies_[u].keepGathered) refreshing_.emplace_back(u, startGather(u, 0));
 }
 
 } // namespace zeroshard

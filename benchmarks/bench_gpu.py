@@ -1,12 +1,14 @@
 """One GPU, world size 1: tokens/s and peak memory of a ~1B-parameter GPT in bf16 (sequence
-2048) trained by plain single-GPU PyTorch, zeroshard stages 0-3, FSDP2 (fully_shard), and zeroshard
-stages 2 and 3 with ZeRO-Offload. The rows run in the order that decides the targets: plain,
+2048) trained by plain single-GPU PyTorch, zeroshard stages 0-3, FSDP2 (fully_shard), zeroshard
+stages 2 and 3 with ZeRO-Offload, and zeroshard stage 3 and FSDP2 with their blocks compiled
+(torch.compile, inductor). The rows run in the order that decides the targets: plain,
 zeroshard stage 3, FSDP2, stage 3 with its gathers on a side stream (zeroshard.stage3_gather_stream),
-then the rest, so that a short --budget skips the least telling rows first. Each zeroshard row
+then the rest, the compiled rows last, so that a short --budget skips the least telling rows
+first (a compiled row starts only with COMPILE_ALLOWANCE_S to spare for its compile). Each zeroshard row
 states the config it runs (stage, dtype, overlap_comm, nonfinite, gather stream): no setting that
 synchronises with the host hides in a default.
 
-    python benchmarks/bench_gpu.py                          # cuda:0, 9 rows, ~4 minutes on an H200
+    python benchmarks/bench_gpu.py                          # cuda:0, 11 rows, the compiled ones as time allows
     python benchmarks/bench_gpu.py --tiny --device cpu      # the same code path on a tiny model, Gloo, CPU
     python benchmarks/bench_gpu.py --rows plain,zeroshard-stage3,fsdp2 --json out.json --markdown out.md
 
@@ -36,16 +38,22 @@ sys.path.insert(0, str(HERE))
 from gpt import GPT, token_batch  # noqa: E402
 from model_state import param_numel, persistent_numel  # noqa: E402
 from ranks import free_port, init_group  # noqa: E402
+from compiled_steps import graphs_compiled  # noqa: E402
 from steps import Recipe, fused_adamw_works, make_step, offload_formula, state_formula  # noqa: E402
 
 ROWS = ("plain", "zeroshard-stage3", "fsdp2", "zeroshard-stage3-gather-stream", "zeroshard-stage0",
-        "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage2-offload", "zeroshard-stage3-offload")
+        "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage2-offload", "zeroshard-stage3-offload",
+        "zeroshard-stage3-compiled", "fsdp2-compiled")
 OPTIONAL_ROWS = ("plain-autocast",)
 GiB = 2**30
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 FULL = dict(vocab=32768, dim=2048, heads=16, hidden=8192, layers=18, seq=2048, steps=6, warmup=2)
 TINY = dict(vocab=512, dim=64, heads=4, hidden=256, layers=2, seq=64, steps=3, warmup=1, batch=4)
 PERSISTENCE = 10_000  # stage 3: biases and LayerNorms (<= 8192 elements) stay gathered, matrices shard
+# Seconds a compiled row needs beyond the longest row so far before it starts: inductor compiles
+# one Block's forward and backward in its first warm-up step (the blocks share the graph). A
+# guess, not measured on a GPU yet; on 2 CPU cores the tiny model's first compile took ~30 s.
+COMPILE_ALLOWANCE_S = 120
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +71,9 @@ STEP_OF_ROW = {"plain": "plain-bf16", "plain-autocast": "plain-autocast", "fsdp2
                **{f"zeroshard-stage{k}": f"zeroshard-stage{k}-bf16" for k in range(4)},
                "zeroshard-stage3-gather-stream": "zeroshard-stage3-bf16",
                "zeroshard-stage2-offload": "zeroshard-stage2-offload-bf16",
-               "zeroshard-stage3-offload": "zeroshard-stage3-offload+param-bf16"}
+               "zeroshard-stage3-offload": "zeroshard-stage3-offload+param-bf16",
+               # compiled_steps.py: engine.compile(backend="inductor"); FSDP2 as torchtitan compiles it.
+               "zeroshard-stage3-compiled": "zeroshard-stage3-bf16-compiled", "fsdp2-compiled": "fsdp2-bf16-compiled"}
 # Keys of a row's "zeroshard" config section beyond its step's: stage 3 with its all-gathers (and
 # their copy-in) issued from a side CUDA stream, as FSDP2's all-gather stream does.
 ZEROSHARD_KEYS_OF_ROW = {"zeroshard-stage3-gather-stream": {"stage3_gather_stream": True}}
@@ -105,11 +115,13 @@ def run_row(row, s):
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # the steps' peak, not construction's
-    losses, started = [], None
+    losses, started, warmup_began = [], None, time.perf_counter()
+    compiled = row.endswith("-compiled")
     for i, tokens in enumerate(batches):
         if i == s["warmup"]:
             sync()
             started = time.perf_counter()
+            graphs_before = graphs_compiled() if compiled else None  # the warm-up compiled
         losses.append(step(tokens).detach())
     sync()
     elapsed = time.perf_counter() - started
@@ -120,7 +132,9 @@ def run_row(row, s):
                   losses=[float(x) for x in losses], seconds=elapsed,
                   tokens_per_second=s["steps"] * s["batch"] * s["seq"] / elapsed,
                   model_state_bytes=int(memory.get("device", memory["total"])),
-                  host_state_bytes=memory.get("host"), config=getattr(step, "config_summary", lambda: None)())
+                  host_state_bytes=memory.get("host"), config=getattr(step, "config_summary", lambda: None)(),
+                  warmup_seconds=started - warmup_began,
+                  graphs_in_timed_steps=graphs_compiled() - graphs_before if compiled else None)
     if cuda:
         result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                       peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
@@ -254,6 +268,20 @@ def report(results, s, rows):
         if on and off:
             ratio = on["tokens_per_second"] / off["tokens_per_second"]
             lines.append(f"- zeroshard-stage{stage}-offload tokens/s: {ratio:.3f} × zeroshard-stage{stage}'s")
+    for eager in ("zeroshard-stage3", "fsdp2"):  # what compiling buys (no target until a GPU run)
+        on, off = ok.get(f"{eager}-compiled"), ok.get(eager)
+        if on:
+            text = f"- {eager}-compiled: warm-up {on['warmup_seconds']:.0f} s (its first step compiles)"
+            if off:
+                text += f"; tokens/s {on['tokens_per_second'] / off['tokens_per_second']:.3f} × {eager}'s"
+            if on.get("graphs_in_timed_steps"):
+                text += (f"; dynamo compiled {on['graphs_in_timed_steps']} graph(s) in the timed steps, so its "
+                         "tokens/s counts compilation (more --warmup)")
+            lines.append(text)
+    on, off = ok.get("zeroshard-stage3-compiled"), ok.get("fsdp2-compiled")
+    if on and off:
+        lines.append(f"- zeroshard-stage3-compiled tokens/s: {on['tokens_per_second'] / off['tokens_per_second']:.3f} "
+                     "× fsdp2-compiled's")
     configs = [f"- {r['row']}: {_config_text(r['config'])}" for r in results if r.get("config")]
     if configs:
         lines += ["", "zeroshard rows' configs (as the engine resolved them):"] + configs
@@ -296,6 +324,8 @@ def main():
     unknown = sorted(set(rows) - set(ROWS + OPTIONAL_ROWS))
     if unknown:
         sys.exit(f"bench_gpu: unknown rows {unknown}; choose from {', '.join(ROWS + OPTIONAL_ROWS)}")
+    if s["warmup"] < 1 and any(r.endswith("-compiled") for r in rows):
+        sys.exit("bench_gpu: the compiled rows need --warmup 1 or more: their first step compiles")
     with torch.device("meta"):  # sizes without memory
         s["num_params"] = sum(p.numel() for p in GPT(max_seq=s["seq"], **_sizes(s)).parameters())
     if args.batch:
@@ -316,7 +346,7 @@ def main():
     results, longest = [], 0.0
     for row in rows:
         left = args.budget - (time.monotonic() - began)
-        if left < 1.2 * longest or left < 5:
+        if left < 1.2 * longest + (COMPILE_ALLOWANCE_S if row.endswith("-compiled") else 0) or left < 5:
             print(f"  {row}: skipped, {left:.0f} s of the budget left", flush=True)
             continue
         t0 = time.monotonic()
@@ -332,6 +362,7 @@ def main():
         else:
             print(f"  {row}: {r['tokens_per_second']:,.0f} tokens/s, peak {_size(r.get('peak_bytes'))}, losses "
                   f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} ({time.monotonic() - t0:.0f} s)"
+                  + (f"; warm-up {r['warmup_seconds']:.0f} s, with the compile" if row.endswith("-compiled") else "")
                   + (f"; {_config_text(r['config'])}" if r.get("config") else ""), flush=True)
 
     table, problems = report(results, s, rows)

@@ -1,9 +1,12 @@
 """Step time and per-rank model-state memory of zeroshard stages 0-3 against DDP + AdamW,
-DDP + ZeroRedundancyOptimizer(AdamW) and FSDP2 (fully_shard) + AdamW, on one small GPT, 2 Gloo
-ranks on CPU.
+DDP + ZeroRedundancyOptimizer(AdamW), FSDP2 (fully_shard) + AdamW and DeepSpeed's ZeRO stages
+0-3 (the `deepspeed` package on CPU; left out, with the reason printed, where it does not
+import), on one small GPT, 2 Gloo ranks on CPU. --compile adds the same configs compiled with
+torch.compile (inductor): zeroshard's engine.compile(), FSDP2 with compiled blocks, compiled DDP.
 
     python benchmarks/bench_stages.py                      # spawns 2 ranks per config
-    python benchmarks/bench_stages.py --quick              # smoke run, about a minute
+    python benchmarks/bench_stages.py --quick              # smoke run, a few minutes
+    python benchmarks/bench_stages.py --compile            # also the compiled configs
     torchrun --nproc-per-node 2 benchmarks/bench_stages.py # all configs in one process pair
 
 See benchmarks/README.md for what is measured and how to read the ratios.
@@ -25,11 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import make_model, next_token_loss, token_batch  # noqa: E402
 from model_state import param_numel, persistent_numel  # noqa: E402
+from compiled_steps import COMPILED, graphs_compiled  # noqa: E402
+from deepspeed_steps import DEEPSPEED_CONFIGS, deepspeed_unavailable  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from stage_report import MB, check, loss_reference, render, render_losses, render_memory, summarize  # noqa: E402
-from steps import FP32_CONFIGS as CONFIGS, Recipe, fused_adamw_works, make_step, state_formula  # noqa: E402
+from stage_report import (MB, check, loss_reference, render, render_compiled, render_losses,  # noqa: E402
+                          render_memory, render_pairs, summarize)
+from steps import FP32_CONFIGS, Recipe, fused_adamw_works, make_step, state_formula  # noqa: E402
 
+CONFIGS = FP32_CONFIGS + DEEPSPEED_CONFIGS
+# The configs --compile adds a compiled twin of (compiled_steps.py).
+COMPILABLE = ("zeroshard-stage0", "zeroshard-stage1", "zeroshard-stage2", "zeroshard-stage3", "ddp", "fsdp2")
 LOSS_TOLERANCE = 1e-3  # relative, held-out loss against ddp's: every config computes the same fp32 steps
+# Issue 33's goals on this benchmark (CPU ms per step, medians): stage 0 at most 1.02 x DDP's,
+# stages 1 and 2 at most DeepSpeed's at the same stage.
+STAGE0_OVER_DDP = 1.02
 
 
 def _rss_bytes():
@@ -45,19 +57,25 @@ def run_config(rank, world_size, name, s):
     batches = [token_batch(s["seed"], i, rank, s["batch"], s["seq"], vocab) for i in range(s["warmup"] + s["steps"])]
     step = make_step(name, model, recipe_of(s))
 
-    times, cpu_times, losses = [], [], []
+    times, cpu_times, warmup_times, losses = [], [], [], []
+    compiled, graphs_before = name.endswith(COMPILED), None
     load_before = os.getloadavg()
     for i, tokens in enumerate(batches):
+        if compiled and i == s["warmup"]:
+            graphs_before = graphs_compiled()  # the warm-up compiled; the timed steps should not
         start, start_cpu = time.perf_counter(), time.process_time()
         loss = step(tokens)
         elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        if i >= s["warmup"]:
+        if i < s["warmup"]:
+            warmup_times.append(elapsed)
+        else:
             times.append(elapsed)
             # CPU time of every thread of this rank (compute and Gloo): unlike wall time, it
             # hardly grows when other processes compete for the cores.
             cpu_times.append(elapsed_cpu)
         losses.append(loss.item())
     load_after = os.getloadavg()
+    graphs_in_timed_steps = graphs_compiled() - graphs_before if compiled else None
 
     memory = step.memory()
     # The same held-out batch on every rank checks the final parameters, not only the last step.
@@ -73,7 +91,8 @@ def run_config(rank, world_size, name, s):
     return dict(rank=rank, config=name, optimizer=step.optimizer_name, step_seconds=times,
                 step_cpu_seconds=cpu_times, losses=losses, load_average=(load_before[0], load_after[0]),
                 eval_loss=eval_loss, memory=memory, rss_before_bytes=rss_before, peak_rss_bytes=peak_rss,
-                threads=torch.get_num_threads(), extras=step.extras())
+                threads=torch.get_num_threads(), extras=step.extras(), warmup_step_seconds=warmup_times,
+                graphs_in_timed_steps=graphs_in_timed_steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,16 +126,30 @@ def build_parser(doc, configs, steps=20, warmup=5, rounds=2, batch=8, quick="1 r
     return p
 
 
+def _stages_parser():
+    p = build_parser(__doc__, CONFIGS)
+    p.add_argument("--compile", action="store_true",
+                   help="also run the compiled twin (torch.compile, inductor) of every chosen config of "
+                        + ", ".join(COMPILABLE) + "; the warm-up steps compile")
+    p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's configs out (no deepspeed import)")
+    return p
+
+
 def parse_args(p=None, configs=CONFIGS, quick=(5, 2, 1)):
     """quick: (steps, warmup, rounds) of --quick."""
-    p = p or build_parser(__doc__, configs)
+    p = p or _stages_parser()
     args = p.parse_args()
     if args.quick:
         args.steps, args.warmup, args.rounds = quick
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(chosen) - set(configs))
+    twins = [c + COMPILED for c in configs if c in COMPILABLE]
+    unknown = sorted(set(chosen) - set(configs) - set(twins))
     if unknown:
-        p.error(f"unknown configs {unknown}; choose from {', '.join(configs)}")
+        p.error(f"unknown configs {unknown}; choose from {', '.join(configs + tuple(twins))}")
+    if getattr(args, "compile", False):
+        chosen += [c + COMPILED for c in chosen if c in COMPILABLE and c + COMPILED not in chosen]
+    if any(c.endswith(COMPILED) for c in chosen) and args.warmup < 1:
+        p.error("compiled configs need --warmup 1 or more: their first step compiles, and is not to be timed")
     args.configs = chosen
     return args
 
@@ -145,27 +178,37 @@ def _round_orders(args):
     return [args.configs if r % 2 == 0 else args.configs[::-1] for r in range(args.rounds)]
 
 
-def run_spawned(args, s):
+def run_spawned(args, s, failed):
     """One fresh group of processes per config and round, so each peak RSS belongs to one
-    config (ranks.run_ranks: one torch thread per rank, joined in a Gloo group)."""
+    config (ranks.run_ranks: one torch thread per rank, joined in a Gloo group). A DeepSpeed
+    config that fails is left out of the rest of the run, its error in failed[name]; any other
+    config's failure ends the run."""
     rounds = {name: [] for name in args.configs}
     for r, order in enumerate(_round_orders(args)):
         for name in order:
+            if name in failed:
+                continue
             t0 = time.perf_counter()
-            ranks = run_ranks(run_config, args.world_size, name, s, timeout=args.timeout)
+            try:
+                ranks = run_ranks(run_config, args.world_size, name, s, timeout=args.timeout)
+            except Exception as e:  # noqa: BLE001  (the peer's failure, reported, not ours)
+                if name not in DEEPSPEED_CONFIGS:
+                    raise
+                lines = str(e).strip().splitlines()
+                failed[name] = f"failed in round {r + 1}: {type(e).__name__}: {lines[-1] if lines else ''}"
+                print(f"  round {r + 1}/{args.rounds} {name}: {failed[name]}", flush=True)
+                continue
             rounds[name].append(ranks)
             wall = statistics.median(max(x["step_seconds"][i] for x in ranks) for i in range(s["steps"]))
             print(f"  round {r + 1}/{args.rounds} {name}: {1000 * wall:.1f} ms/step, last loss "
                   f"{statistics.fmean(x['losses'][-1] for x in ranks):.4f}, load {ranks[0]['load_average'][1]:.1f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    return {name: summarize(name, rounds[name], fresh_processes=True) for name in args.configs}
+    return {name: summarize(name, rounds[name], fresh_processes=True) for name in args.configs if name not in failed}
 
 
 def run_torchrun(args, s):
     """Under torchrun the same processes run every config in turn: peak RSS is cumulative, so
-    it is not reported per config."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    it is not reported per config. start() joined the group."""
     rounds = {name: [] for name in args.configs}
     for r, order in enumerate(_round_orders(args)):
         for name in order:
@@ -180,9 +223,31 @@ def run_torchrun(args, s):
     return {name: summarize(name, rounds[name], fresh_processes=False) for name in args.configs}
 
 
+def _deepspeed_left_out(args, under_torchrun):
+    """(DeepSpeed's version or None, why its chosen configs cannot run or None). Under torchrun
+    rank 0 alone imports it first (deepspeed_steps: Note [DeepSpeed's shm op])."""
+    if not any(c in DEEPSPEED_CONFIGS for c in args.configs):
+        return None, None
+    if getattr(args, "no_deepspeed", False):
+        return None, "left out (--no-deepspeed)"
+    if not under_torchrun:
+        return deepspeed_unavailable()
+    answer = [deepspeed_unavailable() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
 def start(args):
-    """Settings, model size and launcher; prints the run's header on the leader."""
+    """Settings, model size and launcher; prints the run's header on the leader. Configs that
+    cannot run (DeepSpeed's, where it does not import; or one that failed) are left out of
+    args.configs; the run's "left_out" says why."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    if under_torchrun:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    deepspeed_version, why = _deepspeed_left_out(args, under_torchrun)
+    left_out = {name: why for name in args.configs if why and name in DEEPSPEED_CONFIGS}
+    args.configs = [c for c in args.configs if c not in left_out]
     s = settings_of(args)
     model = make_model(s["seed"], **s["model"])
     num_params = param_numel(model)
@@ -201,21 +266,76 @@ def start(args):
         if any(c.startswith("zeroshard-stage3") for c in args.configs):
             print(f"zeroshard stage 3: stage3_param_persistence_threshold {s['persistence_threshold']:,}: "
                   f"{kept:,} parameters ({100 * kept / num_params:.1f}%) stay gathered", flush=True)
-    results = run_torchrun(args, s) if under_torchrun else run_spawned(args, s)
+        if deepspeed_version:
+            print(f"DeepSpeed {deepspeed_version} on CPU (DS_ACCELERATOR=cpu), the same recipe by its keys "
+                  "(deepspeed_steps.py); its model state is not measured", flush=True)
+        if left_out:
+            print(f"DeepSpeed configs left out: {why}", flush=True)
+        if any(c.endswith(COMPILED) for c in args.configs):
+            print(f"compiled configs: torch.compile (inductor) compiles in the first of the {s['warmup']} "
+                  "warm-up steps, which are not timed", flush=True)
+    failed = {}
+    results = run_torchrun(args, s) if under_torchrun else run_spawned(args, s, failed)
+    left_out.update(failed)
+    args.configs = [c for c in args.configs if c in results]
     if leader:
         threads = sorted({r["threads"] for r in results.values()})
         print(f"torch threads per rank, as measured inside the ranks: {threads}")
         print()
     return dict(results=results, settings=s, num_params=num_params, kept=kept, world=world, leader=leader,
-                launcher="torchrun" if under_torchrun else "spawn")
+                launcher="torchrun" if under_torchrun else "spawn", left_out=left_out,
+                deepspeed_version=deepspeed_version)
 
 
 def write_json(path, run, problems, warnings):
     raw = dict(torch=torch.__version__, world_size=run["world"], threads_per_rank=1, cpus=os.cpu_count(),
                launcher=run["launcher"], num_params=run["num_params"], settings=run["settings"],
-               results=run["results"], problems=problems, warnings=warnings)
+               results=run["results"], left_out=run.get("left_out", {}),
+               deepspeed_version=run.get("deepspeed_version"), problems=problems, warnings=warnings)
     Path(path).write_text(json.dumps(raw, indent=2))
     print(f"raw numbers: {path}")
+
+
+def report_deepspeed(results, left_out, quick):
+    """zeroshard against DeepSpeed at each stage both ran, and issue 33's goals; returns the
+    problems (a DeepSpeed config that failed; one that did not import is only left out)."""
+    pairs = [(f"zeroshard-stage{k}", f"deepspeed-stage{k}") for k in range(4)
+             if f"zeroshard-stage{k}" in results and f"deepspeed-stage{k}" in results]
+    if pairs:
+        print("## zeroshard against DeepSpeed, stage by stage\n")
+        print(render_pairs(results, pairs))
+        print()
+    for name, why in left_out.items():
+        print(f"{name}: {why}")
+    goals = [(f"zeroshard stage {k} CPU ms <= DeepSpeed stage {k}'s", f"zeroshard-stage{k}", f"deepspeed-stage{k}", 1.0)
+             for k in (1, 2)] + [(f"zeroshard stage 0 CPU ms <= {STAGE0_OVER_DDP} x DDP's", "zeroshard-stage0", "ddp",
+                                  STAGE0_OVER_DDP)]
+    lines = []
+    for what, ours, theirs, bound in goals:
+        if ours in results and theirs in results:
+            ratio = results[ours]["cpu_ms_median"] / results[theirs]["cpu_ms_median"]
+            lines.append(f"- goal {'met' if ratio <= bound else 'MISSED'}: {what}: {ratio:.3f}")
+    if lines:
+        print("Issue 33's goals (medians of CPU ms per step; a benchmark, not a check)"
+              + (": --quick, a smoke run, so not a measurement" if quick else "") + "\n")
+        print("\n".join(lines))
+    if pairs or left_out or lines:
+        print()
+    return [f"{name}: {why}" for name, why in left_out.items() if why.startswith("failed")]
+
+
+def report_compiled(results, configs):
+    """Compiled configs against their eager twins; returns warnings (a timed step that compiled)."""
+    pairs = [(c[:-len(COMPILED)], c) for c in configs if c.endswith(COMPILED) and c[:-len(COMPILED)] in results]
+    if not pairs:
+        return []
+    print("## Compiled (torch.compile, inductor) against eager\n")
+    print(render_compiled(results, pairs))
+    print("\nThe first warm-up step compiles (its time is in the first column); the timed steps come after "
+          "the warm-up. Every config's row is also in the tables against DDP above.\n")
+    return [f"{c}: dynamo compiled {results[c]['graphs_in_timed_steps']} graph(s) during the timed steps: "
+            "their times include compilation (more --warmup)" for _, c in pairs
+            if results[c].get("graphs_in_timed_steps")]
 
 
 def main():
@@ -239,12 +359,15 @@ def main():
         print(f"## zeroshard stage 3 against {' and '.join(stage3_bases)}\n")
         print(render(results, stage3_bases, ["zeroshard-stage3", *stage3_bases]))
         print()
+    peer_problems = report_deepspeed(results, run["left_out"], args.quick)
+    compile_warnings = report_compiled(results, configs)
     print("## Model-state memory per rank (the rank holding most)\n")
     print(render_memory(results, configs, formulas_of(run, configs)))
     print()
     print("## Losses (mean over ranks; held-out: one fixed batch after the last step)\n")
     print(render_losses(results, configs, "ddp"))
     problems, warnings = check(results, world, os.cpu_count(), "ddp", LOSS_TOLERANCE)
+    problems, warnings = peer_problems + problems, warnings + compile_warnings
     print()
     print("\n".join(f"PROBLEM: {p}" for p in problems) if problems else "checks: all losses finite; "
           f"every config's held-out loss within {LOSS_TOLERANCE:g} of {loss_reference(results, 'ddp')}'s; ranks agree")

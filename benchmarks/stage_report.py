@@ -23,8 +23,9 @@ def summarize(name, rounds, fresh_processes):
         step_ms_median=1000 * statistics.median(wall), step_ms_min=1000 * min(wall),
         step_ms_max=1000 * max(wall), step_ms_per_step=[1000 * t for t in wall],
         cpu_ms_median=1000 * statistics.median(cpu), cpu_ms_per_step=[1000 * t for t in cpu],
-        # The rank that holds the most: ZeroRedundancyOptimizer's whole-tensor partition is uneven.
-        memory=max((r["memory"] for r in ranks), key=lambda m: m["total"]),
+        # The rank that holds the most: ZeroRedundancyOptimizer's whole-tensor partition is uneven
+        # (None: not measured, DeepSpeed's rows).
+        memory=max((r["memory"] for r in ranks), key=lambda m: m["total"] or 0),
         memory_by_rank=[r["memory"] for r in ranks],
         # Every rank's loss is its own batch's; their mean is the global batch's loss.
         first_loss=statistics.fmean(r["losses"][0] for r in ranks),
@@ -35,6 +36,12 @@ def summarize(name, rounds, fresh_processes):
         rss_before_bytes=max(r["rss_before_bytes"] for rs in rounds for r in rs),
         load_average=[rs[0]["load_average"] for rs in rounds],
         extras=[r["extras"] for r in ranks],
+        # The warm-up's first step, with torch.compile's compilation in compiled configs.
+        first_step_ms=1000 * max(r["warmup_step_seconds"][0] for rs in rounds for r in rs)
+        if ranks[0].get("warmup_step_seconds") else None,
+        # Graphs dynamo compiled during the timed steps (compiled configs; should be 0).
+        graphs_in_timed_steps=max(r["graphs_in_timed_steps"] for rs in rounds for r in rs)
+        if ranks[0].get("graphs_in_timed_steps") is not None else None,
     )
 
 
@@ -68,12 +75,16 @@ def render(results, baselines, configs):
 
 
 def render_memory(results, configs, formulas):
-    """formulas: {config: (bytes per parameter as text, bytes)}, from steps.state_formula."""
+    """formulas: {config: (bytes per parameter as text, bytes), or None where the config's
+    model state is not measured}, from steps.state_formula."""
     lines = ["| config | params MB | grads MB | optimizer MB | DDP buckets MB | total MB "
              "| gathered peak MB | formula (B/param) | formula MB | total / formula |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name in configs:
         m = results[name]["memory"]
+        if formulas[name] is None or m["total"] is None:
+            lines.append(f"| {name} | not measured (peak RSS in the tables above) | | | | | | | | |")
+            continue
         text, formula_bytes = formulas[name]
         buckets = _mb(m["comm_buffers"]) if name.startswith("ddp") else "–"
         gathered = _mb(m["gathered_peak"]) if m.get("gathered_peak") is not None else "–"
@@ -108,6 +119,8 @@ def check_memory(results, formulas, rel_tol):
     keeps a 4-byte step per tensor: a few KB here)."""
     problems = []
     for name, r in results.items():
+        if formulas[name] is None:
+            continue
         text, expected = formulas[name]
         total = r["memory"]["total"]
         if abs(total - expected) > rel_tol * expected:
@@ -141,3 +154,31 @@ def check(results, world, cpus, preferred, rel_tol):
                         f"{world} of it this benchmark): wall-clock step times are unreliable; compare the "
                         "CPU-time columns, or rerun on a quiet machine")
     return problems, warnings
+
+
+def render_pairs(results, pairs):
+    """One row per (ours, theirs) pair both run: each one's CPU and wall ms per step (medians)
+    and ours / theirs of each."""
+    lines = ["| ours | theirs | CPU ms ours | CPU ms theirs | CPU ours / theirs | step ms ours "
+             "| step ms theirs | step ours / theirs |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for ours, theirs in pairs:
+        a, b = results[ours], results[theirs]
+        lines.append(f"| {ours} | {theirs} | {a['cpu_ms_median']:.1f} | {b['cpu_ms_median']:.1f} "
+                     f"| {_ratio(a['cpu_ms_median'], b['cpu_ms_median'])} | {a['step_ms_median']:.1f} "
+                     f"| {b['step_ms_median']:.1f} | {_ratio(a['step_ms_median'], b['step_ms_median'])} |")
+    return "\n".join(lines)
+
+
+def render_compiled(results, pairs):
+    """(eager, compiled) pairs both run: the compiled one's first step (with the compilation),
+    graphs compiled in its timed steps, and its CPU and wall ms against the eager one's."""
+    lines = ["| compiled | first step ms (compiles) | graphs in timed steps | CPU ms | × eager "
+             "| step ms | × eager |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for eager, compiled in pairs:
+        a, b = results[compiled], results[eager]
+        first = f"{a['first_step_ms']:.0f}" if a.get("first_step_ms") is not None else "–"
+        graphs = a.get("graphs_in_timed_steps")
+        lines.append(f"| {compiled} | {first} | {'–' if graphs is None else graphs} | {a['cpu_ms_median']:.1f} "
+                     f"| {_ratio(a['cpu_ms_median'], b['cpu_ms_median'])} | {a['step_ms_median']:.1f} "
+                     f"| {_ratio(a['step_ms_median'], b['step_ms_median'])} |")
+    return "\n".join(lines)

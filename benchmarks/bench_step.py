@@ -3,10 +3,14 @@ cannot avoid, measured in the same processes.
 
 World size 1 (one process, torch's threads): a stage-1 fp32 engine over 4 flat parameters of
 N/4 elements each (bench_offload's FlatChunks, one bucket each), no offload, no clipping; timed:
-engine.step() after a backward. Its floor is torch._fused_adamw_ on the same 4 tensors, one call
-per bucket as the engine makes (the "kernel"). The ratio step / kernel is the engine's overhead
+engine.step() after a backward. Its floor is torch._fused_adamw_ on the same 4 tensors in one
+call, as the engine makes it (the "kernel"). The ratio step / kernel is the engine's overhead
 (goal: at most 1.25 at 2^24 and 2^26). The same engine with zeroshard.nonfinite "off" shows what
-the nonfinite check's one read of the gradients costs.
+the nonfinite check's one read of the gradients costs. Because work can move from the step into
+the backward (the engine copies a window's first gradient into its flat buffer there), the
+backward and the step are also timed together, against plain torch doing the same: backward into
+fresh .grad tensors, the kernel on them, .grad set to None (zero_grad's default). Both end with
+bitwise the same weights (the run says so: same_weights_as_torch).
 
 2 Gloo ranks (one thread each), stages 1 and 2: the step steps this rank's half and all-gathers
 the parameters; its floor is the kernel on a half plus an all-gather of each bucket
@@ -47,20 +51,53 @@ def _engine(numel, stage, nonfinite="error"):
 # Each stepper makes one step and returns the seconds its timed part took. The peers of one
 # table are stepped in turn, step by step, so that a load on the machine falls on all of them.
 
-def _engine_stepper(numel, stage, nonfinite="error"):
+def _engine_stepper(numel, stage, nonfinite="error", with_backward=False):
+    """Seconds of engine.step(); with_backward: (that, backward + step)."""
     engine, count = _engine(numel, stage, nonfinite), [0]
 
     def one():
-        engine.backward(engine(torch.tensor(_grad_value(count[0]))))
+        loss = engine(torch.tensor(_grad_value(count[0])))
         count[0] += 1
         t0 = time.perf_counter()
+        engine.backward(loss)
+        t1 = time.perf_counter()
         engine.step()
+        t2 = time.perf_counter()
+        return (t2 - t1, t2 - t0) if with_backward else t2 - t1
+    one.weights = lambda: [p.detach() for p in engine.module.parameters()]
+    return one
+
+
+def _adamw(params, grads, avgs, sqs, steps):
+    torch._fused_adamw_(params, grads, avgs, sqs, [], steps, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                        weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)
+
+
+def _torch_stepper(numel):
+    """Plain torch at world size 1: the same module's backward into fresh .grad tensors, the
+    kernel on them in one call, then .grad = None; timed from the backward."""
+    model, count = FlatChunks(_initial(numel)), [0]
+    params = list(model.parameters())
+    avgs, sqs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+
+    def one():
+        loss = model(torch.tensor(_grad_value(count[0])))
+        count[0] += 1
+        t0 = time.perf_counter()
+        loss.backward()
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)
+            _adamw(params, [p.grad for p in params], avgs, sqs, steps)
+        for p in params:
+            p.grad = None
         return time.perf_counter() - t0
+    one.weights = lambda: [p.detach() for p in params]
     return one
 
 
 def _kernel_stepper(shard_numel):
-    """torch._fused_adamw_ on CHUNKS tensors of shard_numel elements each, one call each."""
+    """torch._fused_adamw_ on CHUNKS tensors of shard_numel elements each, in one call."""
     g = torch.Generator().manual_seed(shard_numel)
     params = [torch.randn(shard_numel, generator=g) * 0.02 for _ in range(CHUNKS)]
     grads, avgs, sqs = ([torch.zeros_like(p) for p in params] for _ in range(3))
@@ -72,9 +109,7 @@ def _kernel_stepper(shard_numel):
             step += 1
         count[0] += 1
         t0 = time.perf_counter()
-        for k in range(CHUNKS):
-            torch._fused_adamw_([params[k]], [grads[k]], [avgs[k]], [sqs[k]], [], [steps[k]], lr=LR, beta1=BETAS[0],
-                                beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)
+        _adamw(params, grads, avgs, sqs, steps)
         return time.perf_counter() - t0
     return one
 
@@ -94,10 +129,14 @@ def _gather_stepper(numel, world_size):
 
 
 def _medians_ms(steppers, warmup, reps):
-    seconds = {name: [] for name in steppers}
+    """{name: median ms}; a stepper returning (a, b) gives name and name + "+backward"."""
+    seconds = {}
     for _ in range(warmup + reps):
         for name, one in steppers.items():
-            seconds[name].append(one())
+            took = one()
+            for key, value in ((name, took),) if not isinstance(took, tuple) else ((name, took[0]),
+                                                                                   (f"{name}+backward", took[1])):
+                seconds.setdefault(key, []).append(value)
     return {name: 1000 * statistics.median(s[warmup:]) for name, s in seconds.items()}
 
 
@@ -105,10 +144,16 @@ def one_rank(rank, world_size, sizes, warmup, reps, threads):
     torch.set_num_threads(threads)
     rows = []
     for numel in sizes:
-        ms = _medians_ms({"kernel": _kernel_stepper(numel // CHUNKS), "step": _engine_stepper(numel, 1),
-                          "unchecked": _engine_stepper(numel, 1, nonfinite="off")}, warmup, reps)
+        steppers = {"kernel": _kernel_stepper(numel // CHUNKS), "step": _engine_stepper(numel, 1, with_backward=True),
+                    "unchecked": _engine_stepper(numel, 1, nonfinite="off"), "torch": _torch_stepper(numel)}
+        ms = _medians_ms(steppers, warmup, reps)
+        # Like against like: the engine and plain torch took the same steps from the same start.
+        same = [all(torch.equal(a, b) for a, b in zip(steppers[name].weights(), steppers["torch"].weights()))
+                for name in ("step", "unchecked")]
         rows.append(dict(numel=numel, kernel_ms=ms["kernel"], step_ms=ms["step"], step_unchecked_ms=ms["unchecked"],
-                         ratio=ms["step"] / ms["kernel"], ratio_unchecked=ms["unchecked"] / ms["kernel"]))
+                         ratio=ms["step"] / ms["kernel"], ratio_unchecked=ms["unchecked"] / ms["kernel"],
+                         backward_step_ms=ms["step+backward"], torch_backward_step_ms=ms["torch"],
+                         ratio_backward_step=ms["step+backward"] / ms["torch"], same_weights_as_torch=all(same)))
     return rows
 
 
@@ -135,6 +180,11 @@ def render(one, two, world_size, threads):
     for r in one:
         lines.append(f"| {_size(r['numel'])} | {r['kernel_ms']:.1f} | {r['step_ms']:.1f} | {r['ratio']:.2f} "
                      f"| {r['step_unchecked_ms']:.1f} | {r['ratio_unchecked']:.2f} |")
+    lines += ["", "Backward and step together (the engine's against plain torch's: backward, the kernel, .grad = None):", "",
+              "| N | torch | engine | × torch |", "|---|---:|---:|---:|"]
+    for r in one:
+        lines.append(f"| {_size(r['numel'])} | {r['torch_backward_step_ms']:.1f} | {r['backward_step_ms']:.1f} "
+                     f"| {r['ratio_backward_step']:.2f} |")
     lines += ["", f"{world_size} Gloo ranks (1 thread each), the slowest rank's medians, ms:", "",
               "| N | stage | kernel on the shard | all-gather | kernel + all-gather | engine.step() | × (kernel + all-gather) |",
               "|---|---:|---:|---:|---:|---:|---:|"]

@@ -51,7 +51,9 @@ def phase_summary(trace_path, steps):
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     out = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("name") in PHASES:
+        # The host's spans; on a GPU the profiler repeats each on the device's timeline
+        # ("gpu_user_annotation"), which would count it twice.
+        if e.get("ph") == "X" and e.get("name") in PHASES and e.get("cat") != "gpu_user_annotation":
             count, total = out.get(e["name"], (0, 0.0))
             out[e["name"]] = (count + 1, total + e.get("dur", 0) / 1000.0)
     return {name: (count, total / steps) for name, (count, total) in out.items()}

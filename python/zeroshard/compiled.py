@@ -16,6 +16,8 @@ dynamo's guards treat the parameters as inputs, so the units' different paramete
 3's gathered storage) do not recompile.
 """
 
+import types
+
 import torch
 
 from zeroshard import stage3
@@ -32,8 +34,16 @@ def compile_units(model, units, backend="inductor", **compile_kwargs):
                                "compile once, after initialize (which compiles when the config's "
                                "compile.enabled is true)")
     for name, module in targets:
-        # Note [hooks outside the graphs]: the instance's forward, not nn.Module.compile().
-        module.forward = torch.compile(module.forward, backend=backend, **compile_kwargs)
+        # Note [hooks outside the graphs]: the instance's forward, not nn.Module.compile(). The
+        # class's forward compiled and bound to the instance, not the bound method compiled:
+        # copy.deepcopy rebinds a bound method to the copy (an EMA or teacher copy computes with
+        # its own parameters), where a closure over the original's method would not.
+        own = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's patch)
+        if own is None:
+            module.forward = types.MethodType(torch.compile(type(module).forward, backend=backend, **compile_kwargs),
+                                              module)
+        else:
+            module.forward = torch.compile(own, backend=backend, **compile_kwargs)
         module._zeroshard_compiled = True
     return [name for name, _ in targets]
 

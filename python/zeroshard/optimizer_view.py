@@ -53,8 +53,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none=True):
-        """Nothing to do: the engine zeroes the gradients after each optimizer step (and at
-        stages 0-1 parameter .grad tensors are views of its flat buffer, which must stay)."""
+        """Nothing to do: after each optimizer step the engine starts the next window afresh
+        (every .grad None until a backward writes it; Note [first gradient of a window]), and
+        inside a window the .grad tensors at stages 0-1 are views of its flat buffer, which must
+        stay."""
 
     def _stepped(self):
         self._stepping = True

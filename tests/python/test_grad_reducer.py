@@ -29,6 +29,8 @@ def runs():
     cases = {ws: {"overlap_off": (_train_tiny, False)} for ws in WORLD_SIZES}
     cases[2] |= {f"staging_stage{stage}": (_staging_variants, stage) for stage in (2, 3)}
     cases[2]["bf16_copy"] = (_train_stack, 2, False, True)
+    cases[2]["one_rank_uses"] = (_one_rank_uses,)
+    cases[2]["sparse"] = (_sparse_against_dense,)
     cases[1]["checkpointed"] = (_checkpointed,)  # last: its engines stop in the middle of a backward
     return SharedRuns(cases)
 
@@ -185,3 +187,82 @@ def test_a_second_gradient_after_the_reduction_started_is_an_error(runs):
     whose reduction is running would race with it and be lost, so it is refused, as at stages
     2 and 3, with the way out in the message."""
     assert runs.result(1, "checkpointed") == [True]
+
+
+class Routed(torch.nn.Module):
+    """An embedding (sparse or dense), a shared layer, and a layer only rank 1's batches use (as
+    an MoE expert or a branch one rank does not take)."""
+
+    def __init__(self, sparse=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(32, 16, sparse=sparse)
+        self.shared = torch.nn.Linear(16, 16)
+        self.branch = torch.nn.Linear(16, 16)
+
+    def loss(self, tokens, use_branch):
+        x = torch.tanh(self.shared(self.embedding(tokens)))
+        if use_branch:
+            x = self.branch(x)
+        return x.pow(2).mean()
+
+
+def _routed_batch(step, rank):
+    return torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _one_rank_uses(rank, world_size):
+    """Stages 0 and 1: after a boundary backward every parameter's .grad holds the mean over
+    ranks, the one this rank did not use included (Note [first gradient of a window])."""
+    import zeroshard
+
+    out = {}
+    for stage in (0, 1):
+        model = Routed()
+        # One bucket: buckets launch as they fill, so with several a layer one rank skips would
+        # put its bucket's reduction in another place on each rank.
+        engine = zeroshard.initialize(model, engine_config(stage, gas=1))
+        engine.backward(model.loss(_routed_batch(0, rank), use_branch=rank == 1))
+        out[stage] = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _sparse_against_dense(rank, world_size):
+    """Stages 0 and 1 train nn.Embedding(sparse=True) as its dense twin (two windows of two
+    micro-batches)."""
+    import zeroshard
+
+    out = {}
+    for stage in (0, 1):
+        for sparse in (False, True):
+            model = Routed(sparse)
+            engine = zeroshard.initialize(model, engine_config(stage, gas=2))
+            for step in range(4):
+                engine.backward(model.loss(_routed_batch(step, rank), use_branch=True))
+                engine.step()
+            out[(stage, sparse)] = engine.full_state_dict()
+    return out
+
+
+def test_a_parameter_one_rank_did_not_use_has_the_reduced_gradient_on_every_rank(runs):
+    ranks = runs.result(2, "one_rank_uses")
+    for stage in (0, 1):
+        grads = [r[stage] for r in ranks]
+        for name in grads[1]:
+            assert grads[0][name] is not None, f"stage {stage}: rank 0's {name}.grad is None"
+            # Stage 0 all-reduces, so every rank holds the mean; stage 1 reduce-scatters, so only
+            # each rank's shard is reduced: the branch's gradient on rank 0 is then rank 1's / 2
+            # in rank 0's shard and zeros or rank 1's own elsewhere. Stage 0 is exact.
+            if stage == 0:
+                torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0,
+                                           msg=lambda m: f"{name}: {m}")
+    assert ranks[0][0]["branch.weight"].abs().sum() > 0  # stage 0: rank 1's gradient reached rank 0
+
+
+def test_sparse_embedding_gradients_train_as_dense_ones_at_stages_0_and_1(runs):
+    for state in runs.result(2, "sparse"):
+        for stage in (0, 1):
+            dense, sparse = state[(stage, False)], state[(stage, True)]
+            for name in dense:
+                torch.testing.assert_close(sparse[name], dense[name], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"stage {stage}, {name}: {m}")

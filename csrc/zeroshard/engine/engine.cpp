@@ -91,7 +91,8 @@ void Engine::backward(const at::Tensor& loss, bool scaleByAccumulation) {
   // Note [profiler names]: the engine's phases appear in a torch.profiler trace under
   // "zeroshard::" names: forward (python/zeroshard/engine.py), backward and step here,
   // optimizer_step (OptimizerStep::take), reduce_bucket (a bucket's reduction launched,
-  // GradReducer), gather_params (stages 1-2's all-gather after the step, ReplicatedParams),
+  // GradReducer), gather_params (stages 1-2's all-gather after the step, ReplicatedParams; an
+  // offloaded step starts each bucket's gather inside optimizer_step, with no span of its own),
   // gather_unit / wait_unit / release_unit (stage 3, UnitScheduler); the collectives
   // themselves are c10d's own events. benchmarks/profile_step.py writes such a trace.
   RECORD_USER_SCOPE("zeroshard::backward");

@@ -28,6 +28,17 @@ void zeroAll(const std::vector<at::Tensor>& buffers) {
   if (!defined.empty()) at::_foreach_zero_(defined);
 }
 
+// `grad` written over `view`: copy_ takes no sparse source (nn.Embedding(sparse=True)), whose
+// rows are added into zeros instead.
+void writeFirst(const at::Tensor& view, const at::Tensor& grad) {
+  if (grad.is_sparse()) {
+    view.zero_();
+    view.add_(grad);
+  } else {
+    view.copy_(grad);
+  }
+}
+
 // Note [first gradient of a window]: nothing zeroes the flat buffers after a step. zero()
 // only forgets which parameters have a gradient in the window and sets their .grad to None, as
 // torch's zero_grad() does. The first gradient a parameter receives in a window is then copied
@@ -69,7 +80,7 @@ class FullGradStorage final : public GradStorage {
       const auto view = viewOf(bucket, index, i);
       if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
       // Keep what the user accumulated elsewhere: it is the start of this window's sum.
-      if (grad.defined()) view.copy_(grad);
+      if (grad.defined()) writeFirst(view, grad);
       written_[index][i] = 1;
       grad = view;
     }
@@ -78,7 +89,7 @@ class FullGradStorage final : public GradStorage {
   at::Tensor gradArriving(const Bucket& bucket, size_t index, size_t param, const at::Tensor& grad) override {
     if (written_[index][param] || bucket.params()[param].grad().defined()) return grad;
     auto view = viewOf(bucket, index, param);
-    view.copy_(grad);
+    writeFirst(view, grad);
     written_[index][param] = 1;
     return view;
   }
@@ -89,7 +100,7 @@ class FullGradStorage final : public GradStorage {
     const auto view = viewOf(bucket, index, param);
     if (grad.data_ptr() == view.data_ptr()) return;
     // AccumulateGrad made a new tensor (it did not steal the view, or added out of place).
-    view.copy_(grad);
+    writeFirst(view, grad);
     written_[index][param] = 1;
     grad = view;
   }
@@ -98,7 +109,12 @@ class FullGradStorage final : public GradStorage {
                           Communicator& comm, const ReductionOptions& options, TransientBytes& transient) override {
     const at::Tensor& flat = flat_[index];
     for (size_t i = 0; i < bucket.size(); ++i) {
-      if (!written_[index][i]) viewOf(bucket, index, i).zero_();  // no gradient in this window
+      if (written_[index][i]) continue;
+      // No gradient in this window here; other ranks' may come in: .grad is the view, reduced,
+      // on every rank (as DDP gives a parameter this rank did not use its bucket's view).
+      auto view = viewOf(bucket, index, i);
+      view.zero_();
+      bucket.params()[i].mutable_grad() = view;
     }
     reduced_[index] = 1;
     double mean = 1.0 / comm.worldSize();

@@ -296,6 +296,7 @@ class DeepSpeedEngine(torch.nn.Module):
             raise RuntimeError("zeroshard.deepspeed: destroy() inside deepspeed.zero.GatheredParameters; leave the "
                                "context first")
         self._engine.destroy()
+        self._unstepped = None  # a window left open has nothing left to step
         self._engine = Destroyed("this zeroshard.deepspeed engine", "build a new one with deepspeed.initialize()")
 
     # GatheredParameters (zero.py) calls these.

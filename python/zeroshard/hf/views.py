@@ -33,8 +33,9 @@ class EngineModule(torch.nn.Module):
         return self._engine(*args, **kwargs)
 
     def zero_grad(self, set_to_none=True):
-        """Nothing to do: the engine zeroes its gradients after each optimizer step (and at stages
-        0-1 the parameters' .grad are views of its flat buffer, which must stay)."""
+        """Nothing to do: after each optimizer step the engine starts the next window afresh
+        (every .grad None until a backward writes it), and inside a window the parameters' .grad
+        at stages 0-1 are views of its flat buffer, which must stay."""
 
     def __getattr__(self, name):
         try:

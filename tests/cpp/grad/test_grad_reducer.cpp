@@ -2,8 +2,9 @@
 // own, without the Engine: parameters in Buckets, a real autograd backward whose gradients are
 // known exactly (loss = sum_j (p_j * g_j).sum(), so p_j's gradient is g_j, small integers that
 // every sum and mean below keeps exact), and a real Communicator over a Gloo group of one rank
-// in this process. At one rank the mean over ranks is each rank's own gradient; the two-rank
-// scenarios, where it is not, run in tests/cpp/grad_worker.cpp.
+// in this process, which reduces in place without calling the backend (Note [a group of one]).
+// At one rank the mean over ranks is each rank's own gradient; the two-rank scenarios, where
+// it is not and Gloo carries every collective, run in tests/cpp/grad_worker.cpp.
 #include "error_text.h"
 #include "grad_model.h"
 #include "single_rank_group.h"
@@ -281,6 +282,16 @@ TEST_CASE("stages 0 and 1 zero at the boundary a parameter that got no gradient 
       auto expected = expectedFlat(buckets, b, {1}, 1, {"fc.bias", "embedding"})
                           .add(expectedFlat(buckets, b, {2}, 1, {"embedding"}));
       CHECK(sameValues(grads->optimizerGrad(b), expected));
+      // Every parameter's .grad is its view of the reduced buffer, the one without a gradient
+      // too (at more ranks it holds the others' mean).
+      for (size_t i = 0; i < buckets[b].size(); ++i) {
+        const auto& grad = buckets[b].params()[i].grad();
+        INFO("parameter " << i);
+        REQUIRE(grad.defined());
+        const auto& place = buckets[b].layout().params()[i];
+        // One rank: the optimizer's gradient is the whole flat buffer at stage 1 too.
+        CHECK(grad.data_ptr() == grads->optimizerGrad(b).narrow(0, place.offset, place.numel).data_ptr());
+      }
     }
   }
 }

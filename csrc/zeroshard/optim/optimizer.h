@@ -103,7 +103,7 @@ class ShardedAdamW {
   // one with the multiplications of this step applied, in the order they were asked for.
   at::Tensor fp32Grad(const Group& g, size_t i);
   void dropConverted(const at::Tensor& grad);
-  // One shard's sum for the finite probe (Note [probe as a product]).
+  // One shard's sum for the finite probe (Note [probe by at::sum]).
   at::Tensor shardSum(const at::Tensor& grad);
   // `factor` (a 0-dim tensor) on `device`: itself, or a copy made once per step.
   const at::Tensor& factorOn(const at::Tensor& factor, const c10::Device& device);
@@ -111,7 +111,6 @@ class ShardedAdamW {
 
   std::vector<Group> groups_;
   int64_t steps_ = 0;
-  at::Tensor probeOnes_;  // shardSum's vector of ones, on the shards' device
   at::Tensor foundInf_;  // the step in progress's (step(), beginStep()), undefined without one
   std::vector<at::Tensor> pendingFactors_;  // for 16-bit gradients, applied at conversion
   std::vector<std::pair<at::Tensor, at::Tensor>> factorCopies_;  // (factor, copy on another device)

@@ -1,6 +1,7 @@
 // ShardedAdamW::localGradSum, the nonfinite check's probe (Note [finite probe],
-// Note [probe as a product]): finite exactly when every gradient element is, whether the
-// element falls in the rows the matrix-vector product sums or in the rest after them.
+// Note [probe by at::sum]): finite exactly when every gradient element is, wherever in a shard
+// the element falls (the first, the middle, the last; shards of several thousand elements, of
+// 4096 and of fewer, so that a sum by blocks or rows would have a remainder to miss).
 #include <ATen/ATen.h>
 
 #include "zeroshard/optim/optimizer.h"

@@ -6,8 +6,9 @@ with its transformer blocks compiled by inductor, each library the way its users
 - fsdp2[-bf16]-compiled: torchtitan's order (apply_compile before apply_fsdp): each block wrapped
   in torch.compile(block, fullgraph=True) and put back in model.blocks, then fully_shard on those
   wrappers and the root, so FSDP2's hooks sit on the wrapper, outside the graphs, as zeroshard's do.
-- ddp-compiled: torch.compile of the DDP module, the documented way; dynamo's DDPOptimizer splits
-  the graph at DDP's buckets so their all-reduces still overlap the backward.
+- ddp-compiled: each block compiled the same way before DDP wraps the model (DDP's gradient
+  hooks are on the parameters, outside the graphs), so every compiled config compiles the same
+  modules; the rest runs eagerly, as below.
 
 Everything else (embeddings, final norm, head, the loss, the optimizer step) runs eagerly in
 every compiled config. The first step compiles (the forward and the backward AOTAutograd derives
@@ -27,22 +28,19 @@ def compiled_step(base, model, recipe):
     """The step of config `base` (a steps.make_step name) with its blocks compiled."""
     from steps import make_step
 
-    if base.startswith("fsdp2"):
+    if base.startswith("fsdp2") or base == "ddp":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend=BACKEND, fullgraph=True)
         step = make_step(base, model, recipe)
-        assert isinstance(step, FSDP2Step), base
-        step.optimizer_name += f"; blocks torch.compile'd ({BACKEND}) before fully_shard"
+        assert isinstance(step, (FSDP2Step, DDPStep)), base
+        wrapper = "fully_shard" if isinstance(step, FSDP2Step) else "DDP"
+        step.optimizer_name += f"; blocks torch.compile'd ({BACKEND}) before {wrapper}"
         return step
     step = make_step(base, model, recipe)
-    if isinstance(step, ZeroshardStep):
-        step.engine.compile(backend=BACKEND)
-        step.optimizer_name += f"; engine.compile(backend={BACKEND!r})"
-    elif isinstance(step, DDPStep) and base == "ddp":
-        step.wrapped = torch.compile(step.ddp, backend=BACKEND)
-        step.optimizer_name += f"; DDP module torch.compile'd ({BACKEND})"
-    else:
+    if not isinstance(step, ZeroshardStep):
         raise ValueError(f"no compiled variant of {base!r}: compile zeroshard-stage<k>, ddp or fsdp2 configs")
+    step.engine.compile(backend=BACKEND)
+    step.optimizer_name += f"; engine.compile(backend={BACKEND!r})"
     return step
 
 

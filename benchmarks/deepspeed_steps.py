@@ -123,5 +123,8 @@ class DeepSpeedStep(EngineStep):
         return dict(params=None, grads=None, optimizer=None, comm_buffers=None, total=None)
 
     def extras(self):
+        # The torch optimizer DeepSpeed built on its partitions ("torch_adam"), under its wrapper.
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         return {"deepspeed_version": self.version, "deepspeed_config": self.config,
-                "deepspeed_optimizer": type(self.engine.optimizer).__name__}
+                "deepspeed_optimizer": type(self.engine.optimizer).__name__,
+                "torch_optimizer": type(inner).__name__, "torch_fused": inner.defaults.get("fused")}

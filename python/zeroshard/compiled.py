@@ -23,13 +23,20 @@ import torch
 from zeroshard import stage3
 
 
+def is_compiled(module):
+    """Whether compile_units compiled `module`'s forward: the mark is on the compiled function,
+    so a model loaded from torch.save (whose units run the class's forward again) is not."""
+    forward = module.__dict__.get("forward")
+    return getattr(getattr(forward, "__func__", forward), "_zeroshard_compiled", False)
+
+
 def compile_units(model, units, backend="inductor", **compile_kwargs):
     """Compiles the forward of each of `units` ([(name, module)]; the model itself when empty) in
     place. Returns the names compiled ("" for the model). A unit compiled before is an error: a
     second compile would compile the compiled function."""
     targets = units or [("", model)]
     for name, module in targets:
-        if getattr(module, "_zeroshard_compiled", False):
+        if is_compiled(module):
             raise RuntimeError(f"zeroshard: engine.compile(): unit '{name or '<model>'}' is compiled already; "
                                "compile once, after initialize (which compiles when the config's "
                                "compile.enabled is true)")
@@ -37,14 +44,18 @@ def compile_units(model, units, backend="inductor", **compile_kwargs):
         # Note [hooks outside the graphs]: the instance's forward, not nn.Module.compile(). The
         # class's forward compiled and bound to the instance, not the bound method compiled:
         # copy.deepcopy rebinds a bound method to the copy (an EMA or teacher copy computes with
-        # its own parameters), where a closure over the original's method would not.
+        # its own parameters), where a closure over the original's method would not. A forward
+        # bound to the instance (what torch.load leaves) is its function, bound again.
         own = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's patch)
-        if own is None:
-            module.forward = types.MethodType(torch.compile(type(module).forward, backend=backend, **compile_kwargs),
-                                              module)
+        if own is None or (isinstance(own, types.MethodType) and own.__self__ is module):
+            function = type(module).forward if own is None else own.__func__
+            compiled = torch.compile(function, backend=backend, **compile_kwargs)
+            compiled._zeroshard_compiled = True
+            module.forward = types.MethodType(compiled, module)
         else:
-            module.forward = torch.compile(own, backend=backend, **compile_kwargs)
-        module._zeroshard_compiled = True
+            compiled = torch.compile(own, backend=backend, **compile_kwargs)
+            compiled._zeroshard_compiled = True
+            module.forward = compiled
     return [name for name, _ in targets]
 
 

@@ -67,6 +67,7 @@ def config_section(rank, world):
     """The config's "compile" section at stage 3: enabled compiles at initialize with its backend
     and kwargs; without enabled, backend and kwargs are engine.compile()'s defaults."""
     import zeroshard
+    from zeroshard.compiled import is_compiled
     from torch._dynamo import list_backends, register_backend
 
     if BACKEND not in list_backends(exclude_tags=()):
@@ -81,7 +82,7 @@ def config_section(rank, world):
         _GRAPHS.clear()
         model = make_model()
         engine = zeroshard.initialize(model, _config(3, compile_section=section))
-        compiled_at_initialize = sorted(n for n, m in model.named_modules() if getattr(m, "_zeroshard_compiled", False))
+        compiled_at_initialize = sorted(n for n, m in model.named_modules() if is_compiled(m))
         names = engine.compile() if label == "defaults of compile()" else []
         losses = []
         for step in range(2):

@@ -38,6 +38,9 @@ def test_deepspeed_stage1_trains_ddps_steps_and_is_compared_with_zeroshard(monke
     ds = results["deepspeed-stage1"]
     assert ds["optimizer"].startswith(f"DeepSpeed {report['deepspeed_version']} ZeRO-1")
     assert ds["extras"][0]["deepspeed_optimizer"] == "DeepSpeedZeroOptimizer"
+    # torch's AdamW on DeepSpeed's partitions, fused where the torch rows are.
+    assert ds["extras"][0]["torch_optimizer"] == "AdamW"
+    assert ds["extras"][0]["torch_fused"] == (report["settings"]["fused"] or None)
     ref = results["ddp"]["eval_loss"]
     assert abs(ds["eval_loss"] - ref) <= bench_stages.LOSS_TOLERANCE * abs(ref)
     assert "| zeroshard-stage1 | deepspeed-stage1 |" in printed

@@ -102,14 +102,15 @@ def test_the_config_compile_section_takes_effect(runs):
 
 
 def test_a_compiled_unit_copies_and_pickles_with_its_own_parameters():
-    """copy.deepcopy of a compiled model (an EMA or teacher copy) computes with the copy's
-    parameters, and torch.save / torch.load of it gives the same outputs."""
+    """copy.deepcopy of a compiled model (an EMA or teacher copy) is compiled and computes with
+    the copy's parameters; torch.save / torch.load of it gives the same outputs, from units that
+    say they are not compiled, and compile again."""
     import copy
     import io
 
     import torch
 
-    from zeroshard.compiled import compile_units
+    from zeroshard.compiled import compile_units, is_compiled
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
@@ -128,7 +129,15 @@ def test_a_compiled_unit_copies_and_pickles_with_its_own_parameters():
             p.mul_(2)
     torch.testing.assert_close(twin(x), reference(x), rtol=0, atol=0)
     assert not torch.equal(twin(x), expected)
+    assert is_compiled(twin[0]) and is_compiled(twin[2])
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), expected, rtol=0, atol=0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
+    # pickle stores a bound method by name and finds the class's: the loaded units run eagerly,
+    # say so, and compile again.
+    assert not is_compiled(loaded[0]) and not is_compiled(loaded[2])
+    assert compile_units(loaded, [("0", loaded[0])], backend="eager") == ["0"]
+    assert is_compiled(loaded[0])
+    torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)

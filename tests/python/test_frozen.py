@@ -103,10 +103,16 @@ RUNS = SharedRuns(CASES)
 def test_adapters_match_adamw_and_the_frozen_base_is_untouched(world_size, stage, dtype):
     results = RUNS.result(world_size, f"stage{stage}-{dtype}")
     ref_losses, ref_adapters = _reference_run(dtype, world_size)
+    # A bf16 base computes in bf16: a CPU may block the fp32 accumulation of a half batch's
+    # matmuls differently from the whole batch's (oneDNN with AVX512-BF16 does, on an AMD EPYC),
+    # so activations round differently, and AdamW's normalised update carries that into the
+    # adapters (up to 5e-4 relative after 3 steps at 2 ranks there); fp32 stays at fp32 rounding.
+    rtol, atol = (1e-4, 1e-5) if dtype == torch.float32 else (2e-3, 2e-4)
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-4), f"rank {rank}"
         for name, value in ref_adapters.items():
-            torch.testing.assert_close(r["adapters"][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(r["adapters"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name, rank=rank: f"{name} rank {rank}: {m}")
         # Bitwise: a frozen weight is never written, and every rank holds rank 0's.
         for name, value in results[0]["before"].items():
             assert torch.equal(r["before"][name], value), f"{name}: rank {rank} did not start from rank 0's"

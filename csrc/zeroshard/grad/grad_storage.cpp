@@ -28,8 +28,8 @@ void zeroAll(const std::vector<at::Tensor>& buffers) {
   if (!defined.empty()) at::_foreach_zero_(defined);
 }
 
-// `grad` written over `view`: copy_ takes no sparse source (nn.Embedding(sparse=True)), whose
-// rows are added into zeros instead.
+// `grad` written over `view` (the parameter's shape): copy_ takes no sparse source
+// (nn.Embedding(sparse=True)), whose rows are added into zeros instead.
 void writeFirst(const at::Tensor& view, const at::Tensor& grad) {
   if (grad.is_sparse()) {
     view.zero_();
@@ -110,8 +110,10 @@ class FullGradStorage final : public GradStorage {
     const at::Tensor& flat = flat_[index];
     for (size_t i = 0; i < bucket.size(); ++i) {
       if (written_[index][i]) continue;
-      // No gradient in this window here; other ranks' may come in: .grad is the view, reduced,
-      // on every rank (as DDP gives a parameter this rank did not use its bucket's view).
+      // No gradient in this window here, but other ranks' may come in: .grad is the view on
+      // every rank, as for every other parameter (stage 0: the all-reduced mean, as DDP gives a
+      // parameter this rank did not use; stage 1: this rank's shard of it is reduced, the rest
+      // of the view holds this rank's zeros, as any stage-1 .grad outside the shard is local).
       auto view = viewOf(bucket, index, i);
       view.zero_();
       bucket.params()[i].mutable_grad() = view;
@@ -205,7 +207,7 @@ class ShardedGradStorage final : public GradStorage {
     }
     const auto& place = bucket.layout().params()[param];
     auto& grad = bucket.params()[param].mutable_grad();
-    if (grad.defined()) staging.narrow(0, place.offset, place.numel).copy_(grad.reshape({-1}));
+    if (grad.defined()) writeFirst(staging.narrow(0, place.offset, place.numel).view(place.shape), grad);
     grad = at::Tensor();
   }
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard._destroyed import Destroyed
+from zeroshard.compiled import is_compiled
 from zeroshard._warnings import warn_at_caller
 from zeroshard.peft_adapter import is_peft_model
 
@@ -126,8 +127,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     @_needs_engine
     def zero_grad(self, set_to_none=True):
-        """Nothing to do: the engine zeroes the gradients after each optimizer step (and holds
-        them in its own flat buffers between micro-batches)."""
+        """Nothing to do: after each optimizer step the engine starts the next window afresh (every
+        .grad None until a backward writes it), and holds the gradients in its own flat buffers
+        between micro-batches."""
 
     def is_gradient_accumulation_boundary(self):
         """Whether the coming micro-step (after its backward: this one) ends the accumulation
@@ -282,7 +284,7 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def is_compiled(self):
         """DeepSpeed's: whether compile() was called."""
-        return any(getattr(m, "_zeroshard_compiled", False) for m in self._engine.module.modules())
+        return any(is_compiled(m) for m in self._engine.module.modules())
 
     def destroy(self):
         """DeepSpeed's: releases the engine. The hooks zeroshard put on the model are removed and the

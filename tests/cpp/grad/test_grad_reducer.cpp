@@ -6,11 +6,11 @@
 // At one rank the mean over ranks is each rank's own gradient; the two-rank scenarios, where
 // it is not and Gloo carries every collective, run in tests/cpp/grad_worker.cpp.
 #include "error_text.h"
+#include "grad/grad_reducer_cases.h"
 #include "grad_model.h"
 #include "single_rank_group.h"
 #include "spawn_ranks.h"
 #include "zeroshard/comm/communicator.h"
-#include "zeroshard/comm/process_group.h"
 #include "zeroshard/grad/grad_reducer.h"
 #include "zeroshard/grad/grad_storage.h"
 #include "zeroshard/layout/bucket.h"
@@ -43,72 +43,22 @@ using zeroshard::CollectiveKind;
 using zeroshard::Communicator;
 using zeroshard::GradReducer;
 using zeroshard::GradStorage;
-using zeroshard::GradStorageOptions;
 using zeroshard::ReductionOptions;
 using zeroshard::ShardingPlan;
-using zeroshard::testing::contains;
 using zeroshard::testing::errorText;
 using zeroshard::testing::kTimeout;
 using zeroshard::testing::singleRankGroup;
 using zeroshard::testing::kModel;
-using zeroshard::testing::kEqualBuckets;
 using zeroshard::testing::makeBuckets;
-using zeroshard::testing::gradOf;
 using zeroshard::testing::lossOf;
 using zeroshard::testing::expectedFlat;
-using zeroshard::testing::BucketSpec;
-using zeroshard::testing::ParamSpec;
-
-namespace {
-
-
-// What optimizerGrad(b) must hold: the whole flat buffer when the optimizer is replicated, this
-// rank's shard of it otherwise.
-at::Tensor expectedOptimizerGrad(const ShardingPlan& plan, const std::vector<Bucket>& buckets, size_t b,
-                                 const std::vector<int>& micros, int world, int rank,
-                                 const std::set<std::string>& skip = {}) {
-  auto flat = expectedFlat(buckets, b, micros, world, skip);
-  if (!plan.optimizerSharded()) return flat;
-  const auto range = buckets[b].layout().shardRange(rank);
-  return flat.narrow(0, range.begin, range.numel());
-}
-
-bool sameValues(const at::Tensor& actual, const at::Tensor& expected) {
-  return actual.sizes() == expected.sizes() && at::equal(actual.to(at::kDouble), expected);
-}
-
-int64_t calls(const Communicator& comm, CollectiveKind kind) {
-  return comm.stats()[kind].calls;
-}
-
-int64_t allCalls(const Communicator& comm) {
-  int64_t total = 0;
-  for (auto kind : {CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce,
-                    CollectiveKind::kBroadcast}) {
-    total += calls(comm, kind);
-  }
-  return total;
-}
-
-// One micro-batch through the reducer, as Engine::backward runs it.
-void runBackward(GradReducer& reducer, const std::vector<Bucket>& buckets, bool boundary, int micro,
-                 const std::set<std::string>& skip = {}) {
-  reducer.beginBackward(boundary);
-  lossOf(buckets, micro, /*rank=*/0, skip).backward();
-  reducer.finishBackward();
-}
-
-int64_t bytesPerElement(at::ScalarType dtype) {
-  return static_cast<int64_t>(c10::elementSize(dtype));
-}
-
-// The storage construction tests need no group: the plan, the buckets and a rank are enough.
-std::unique_ptr<GradStorage> storageFor(int64_t stage, const std::vector<Bucket>& buckets, int rank, int world,
-                                        GradStorageOptions options = {}) {
-  return GradStorage::forPlan(ShardingPlan::forStage(stage, world), buckets, rank, options);
-}
-
-} // namespace
+using zeroshard::testing::allCalls;
+using zeroshard::testing::bytesPerElement;
+using zeroshard::testing::calls;
+using zeroshard::testing::expectedOptimizerGrad;
+using zeroshard::testing::runBackward;
+using zeroshard::testing::sameValues;
+using zeroshard::testing::storageFor;
 
 TEST_CASE("forPlan gives gradients that accumulate in place at stages 0 and 1 and sharded ones at 2 and 3",
           "[grad_reducer]") {
@@ -383,120 +333,6 @@ TEST_CASE("a parameter that gets no gradient still has its bucket reduced at fin
   }
 }
 
-TEST_CASE("with overlap off at most one staging buffer is alive at a time", "[grad_reducer]") {
-  for (int64_t stage : {2, 3}) {
-    INFO("stage " << stage);
-    auto buckets = makeBuckets(kModel, 0, 1);
-    auto grads = storageFor(stage, buckets, 0, 1);
-    Communicator comm(singleRankGroup(), kTimeout);
-    ReductionOptions options;
-    options.overlap = false;
-    GradReducer reducer(buckets, *grads, comm, options);
-    CHECK(reducer.peakStagingBytes() == 0);
-    runBackward(reducer, buckets, true, 0);
-    // The largest bucket's fp32 staging buffer (64 elements), never two of them together.
-    CHECK(reducer.peakStagingBytes() == 64 * 4);
-    // Everything was released: the peak restarts from nothing.
-    reducer.resetPeak();
-    CHECK(reducer.peakStagingBytes() == 0);
-    runBackward(reducer, buckets, true, 1, {"fc.bias", "fc.weight"});
-    CHECK(reducer.peakStagingBytes() == 64 * 4);  // bucket 1's zeros, made at finishBackward
-    reducer.resetPeak();
-    runBackward(reducer, buckets, true, 2, {"embedding"});
-    CHECK(reducer.peakStagingBytes() == 64 * 4);
-    reducer.resetPeak();
-    CHECK(reducer.peakStagingBytes() == 0);
-  }
-  // bf16 gradients reduced in fp32: while the largest bucket's bf16 staging buffer is widened,
-  // both copies exist (64 x 2 + 64 x 4 bytes); then only the fp32 one, until its reduction ends.
-  for (int64_t stage : {2, 3}) {
-    INFO("stage " << stage << ", bf16 reduced in fp32");
-    auto buckets = makeBuckets(kModel, 0, 1, at::kBFloat16);
-    auto grads = storageFor(stage, buckets, 0, 1, {at::kBFloat16, 1, true});
-    Communicator comm(singleRankGroup(), kTimeout);
-    ReductionOptions options;
-    options.overlap = false;
-    options.reduceInFloat = true;
-    GradReducer reducer(buckets, *grads, comm, options);
-    runBackward(reducer, buckets, true, 0);
-    CHECK(reducer.peakStagingBytes() == 64 * 2 + 64 * 4);
-    reducer.resetPeak();
-    CHECK(reducer.peakStagingBytes() == 0);
-  }
-}
-
-// Over a group of one every reduction is complete when it is launched (Note [a group of one] in
-// comm/communicator.cpp), so the next launch retires it: the buffer being filled and the one
-// before it are alive, whatever the cap. The cap itself, where Gloo reports a reduce-scatter
-// complete only once it is waited for (Note [staging lifetime]), is held at 2 ranks by
-// tests/python/test_grad_reducer.py's staging_peak formulas.
-TEST_CASE("with overlap on at most maxInFlight + 1 staging buffers are alive at a time", "[grad_reducer]") {
-  const int64_t staging = 32 * 4;
-  for (int64_t maxInFlight : {1, 2, 3, 5}) {
-    INFO("maxInFlight " << maxInFlight);
-    auto buckets = makeBuckets(kEqualBuckets, 0, 1);
-    auto grads = storageFor(2, buckets, 0, 1);
-    Communicator comm(singleRankGroup(), kTimeout);
-    ReductionOptions options;
-    options.overlap = true;
-    options.maxInFlight = maxInFlight;
-    GradReducer reducer(buckets, *grads, comm, options);
-    runBackward(reducer, buckets, true, 0);
-    CHECK(reducer.peakStagingBytes() == std::min<int64_t>(2, maxInFlight + 1) * staging);
-    CHECK(reducer.peakStagingBytes() <= (maxInFlight + 1) * staging);
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      CHECK(sameValues(grads->optimizerGrad(b), expectedFlat(buckets, b, {0}, 1)));
-    }
-    reducer.resetPeak();
-    CHECK(reducer.peakStagingBytes() == 0);
-  }
-  ReductionOptions none;
-  none.maxInFlight = 0;
-  auto buckets = makeBuckets(kEqualBuckets, 0, 1);
-  auto grads = storageFor(2, buckets, 0, 1);
-  Communicator comm(singleRankGroup(), kTimeout);
-  CHECK(contains(errorText([&] { GradReducer reducer(buckets, *grads, comm, none); }),
-                 "max_inflight_reductions must be >= 1, got 0"));
-}
-
-TEST_CASE("full gradients need no staging unless 16-bit gradients are reduced in fp32", "[grad_reducer]") {
-  for (int64_t stage : {0, 1}) {
-    for (bool reduceInFloat : {false, true}) {
-      INFO("stage " << stage << ", reduceInFloat " << reduceInFloat);
-      auto buckets = makeBuckets(kModel, 0, 1, at::kBFloat16);
-      auto grads = storageFor(stage, buckets, 0, 1, {at::kBFloat16, 1, reduceInFloat});
-      Communicator comm(singleRankGroup(), kTimeout);
-      ReductionOptions options;
-      options.overlap = false;
-      options.reduceInFloat = reduceInFloat;
-      GradReducer reducer(buckets, *grads, comm, options);
-      runBackward(reducer, buckets, true, 0);
-      // The fp32 copy of the largest bucket (64 elements), one at a time.
-      CHECK(reducer.peakStagingBytes() == (reduceInFloat ? 64 * 4 : 0));
-    }
-  }
-}
-
-TEST_CASE("a second gradient for a parameter after its bucket was reduced is an error naming it",
-          "[grad_reducer]") {
-  for (int64_t stage : {0, 1, 2, 3}) {
-    INFO("stage " << stage);
-    auto buckets = makeBuckets(kModel, 0, 1);
-    auto grads = storageFor(stage, buckets, 0, 1);
-    Communicator comm(singleRankGroup(), kTimeout);
-    GradReducer reducer(buckets, *grads, comm, ReductionOptions{});
-    // Two backwards inside one beginBackward/finishBackward, as a reentrant checkpoint would run.
-    reducer.beginBackward(true);
-    lossOf(buckets, 0, 0).backward();
-    const std::string error = errorText([&] { lossOf(buckets, 1, 0).backward(); });
-    reducer.abortBackward();
-    // embedding is the first gradient the second backward produces.
-    CHECK(contains(error, "parameter 'embedding' received a second gradient in one backward, after "));
-    CHECK(contains(error, stage <= 1 ? "its bucket's reduction had started" : "it was reduced"));
-    CHECK(contains(error, "use_reentrant=False"));
-  }
-}
-
 TEST_CASE("inside an accumulation window a second gradient adds to the full gradients", "[grad_reducer]") {
   for (int64_t stage : {0, 1}) {
     INFO("stage " << stage);
@@ -514,36 +350,6 @@ TEST_CASE("inside an accumulation window a second gradient adds to the full grad
       CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {0, 1}, 1, 0)));
     }
   }
-}
-
-TEST_CASE("a gradient that arrives outside beginBackward and finishBackward is an error naming the parameter",
-          "[grad_reducer]") {
-  for (int64_t stage : {0, 2}) {
-    INFO("stage " << stage);
-    auto buckets = makeBuckets(kModel, 0, 1);
-    auto grads = storageFor(stage, buckets, 0, 1);
-    Communicator comm(singleRankGroup(), kTimeout);
-    GradReducer reducer(buckets, *grads, comm, ReductionOptions{});
-    const std::string before = errorText([&] { (buckets[2].params()[0] * 2).sum().backward(); });
-    CHECK(contains(before, "a gradient for 'embedding' arrived outside engine.backward()"));
-    CHECK(contains(before, "call engine.backward(loss) instead of loss.backward()"));
-    runBackward(reducer, buckets, true, 0);
-    const std::string after = errorText([&] { (buckets[1].params()[1] * 2).sum().backward(); });
-    CHECK(contains(after, "a gradient for 'fc.weight' arrived outside engine.backward()"));
-    CHECK(allCalls(comm) == 3);  // the stray gradients started nothing
-  }
-}
-
-TEST_CASE("beginBackward twice and finishBackward alone are errors", "[grad_reducer]") {
-  auto buckets = makeBuckets(kModel, 0, 1);
-  auto grads = storageFor(2, buckets, 0, 1);
-  Communicator comm(singleRankGroup(), kTimeout);
-  GradReducer reducer(buckets, *grads, comm, ReductionOptions{});
-  CHECK(contains(errorText([&] { reducer.finishBackward(); }), "finishBackward without beginBackward"));
-  reducer.beginBackward(true);
-  CHECK(contains(errorText([&] { reducer.beginBackward(true); }), "the previous one is unfinished"));
-  reducer.finishBackward();
-  CHECK(calls(comm, CollectiveKind::kReduceScatter) == 3);  // a backward with no gradient at all
 }
 
 TEST_CASE("beginBackward takes a .grad the user replaced back into the flat buffer", "[grad_reducer]") {
@@ -564,78 +370,8 @@ TEST_CASE("beginBackward takes a .grad the user replaced back into the flat buff
   CHECK(buckets[0].params()[0].grad().storage().is_alias_of(grads->optimizerGrad(0).storage()));
 }
 
-TEST_CASE("16-bit gradients reduced in fp32 or pre-divided give the mean at every stage", "[grad_reducer]") {
-  struct Case {
-    at::ScalarType compute;
-    bool preDivide;
-    bool reduceInFloat;
-  };
-  for (const auto& c : {Case{at::kBFloat16, false, true}, Case{at::kBFloat16, false, false},
-                        Case{at::kHalf, true, false}, Case{at::kHalf, true, true}}) {
-    for (int64_t stage : {0, 1, 2, 3}) {
-      INFO("stage " << stage << ", " << c.compute << ", preDivide " << c.preDivide << ", reduceInFloat "
-                    << c.reduceInFloat);
-      const auto plan = ShardingPlan::forStage(stage, 1);
-      auto buckets = makeBuckets(kModel, 0, 1, c.compute);
-      auto grads = GradStorage::forPlan(plan, buckets, 0, {c.compute, 2, c.reduceInFloat});
-      Communicator comm(singleRankGroup(), kTimeout);
-      ReductionOptions options;
-      options.preDivide = c.preDivide;
-      options.reduceInFloat = c.reduceInFloat;
-      GradReducer reducer(buckets, *grads, comm, options);
-      runBackward(reducer, buckets, false, 0);
-      runBackward(reducer, buckets, true, 1);
-      // The widened reduction is what goes over the wire.
-      const auto kind = stage == 0 ? CollectiveKind::kAllReduce : CollectiveKind::kReduceScatter;
-      const int64_t wire = c.reduceInFloat ? 4 : 2;
-      CHECK(comm.stats()[kind].bytes == (stage <= 1 ? 1 : 2) * wire * (32 + 64 + 48));
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        INFO("bucket " << b);
-        CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {0, 1}, 1, 0)));
-      }
-    }
-  }
-}
-
 TEST_CASE("two ranks reduce to the mean over ranks at every stage", "[grad_reducer]") {
   auto outcomes = zeroshard::testing::spawnRanks(ZEROSHARD_GRAD_WORKER, "grad_mean", 2);
   INFO(zeroshard::testing::describeFailures(outcomes));
   CHECK(zeroshard::testing::describeFailures(outcomes).empty());
-}
-
-TEST_CASE("two ranks keep fp16 sums finite with preDivide and bf16 sums unrounded with reduceInFloat",
-          "[grad_reducer]") {
-  auto outcomes = zeroshard::testing::spawnRanks(ZEROSHARD_GRAD_WORKER, "grad_precision", 2);
-  INFO(zeroshard::testing::describeFailures(outcomes));
-  CHECK(zeroshard::testing::describeFailures(outcomes).empty());
-}
-
-// Stage 1's fp32 gradient shard of 16-bit gradients reduced in fp32 is the reduce-scatter's
-// output: the next window's sums overwrite it, and a step without a backward in its window reads
-// zeros from it (finishCopies), not the last window's sums.
-TEST_CASE("after zero() stage 1's fp32 gradient shard of 16-bit gradients holds only the next window's sums",
-          "[grad_reducer]") {
-  const auto plan = ShardingPlan::forStage(1, 1);
-  auto buckets = makeBuckets(kModel, 0, 1, at::kBFloat16);
-  auto grads = GradStorage::forPlan(plan, buckets, 0, {at::kBFloat16, 1, true});
-  Communicator comm(singleRankGroup(), kTimeout);
-  ReductionOptions options;
-  options.reduceInFloat = true;
-  GradReducer reducer(buckets, *grads, comm, options);
-  runBackward(reducer, buckets, true, 0);
-  REQUIRE(grads->optimizerGrad(0).scalar_type() == at::kFloat);
-  REQUIRE(sameValues(grads->optimizerGrad(0), expectedOptimizerGrad(plan, buckets, 0, {0}, 1, 0)));
-  grads->zero();
-  grads->finishCopies();
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    INFO("bucket " << b);
-    CHECK(at::equal(grads->optimizerGrad(b), at::zeros_like(grads->optimizerGrad(b))));
-  }
-  grads->zero();
-  for (size_t b = 0; b < buckets.size(); ++b) grads->optimizerGrad(b).fill_(1000);
-  runBackward(reducer, buckets, true, 1);
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    INFO("bucket " << b);
-    CHECK(sameValues(grads->optimizerGrad(b), expectedOptimizerGrad(plan, buckets, b, {1}, 1, 0)));
-  }
 }
